@@ -1,0 +1,113 @@
+"""gemma-run: a thin command line over Engine.generate."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from .errors import GemmaEngineError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, not usage + message
+        self.exit(2, f"gemma-run: error: {message} (see gemma-run --help)\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="gemma-run", description="Generate text with a Gemma model.")
+    p.add_argument("--prompt", required=True, help="the prompt text, or - to read stdin")
+    p.add_argument(
+        "--model",
+        help="checkpoint folder, .gguf file or hub id "
+        "(default: Gemma 3 270M in weights/gemma-3-270m)",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", help="stop when this text appears (repeatable)")
+    p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: fp32 CPU, bf16 CUDA)")
+    p.add_argument("--max-seq-len", type=int, help="KV cache length in tokens")
+    p.add_argument(
+        "--buckets",
+        type=lambda s: [int(b) for b in s.split(",")],
+        help="comma-separated decode bucket lengths (default: powers of two from 256)",
+    )
+    p.add_argument("--no-compile", action="store_true", help="run eagerly, without torch.compile")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap the prompt in Gemma's chat turn template; stop at <end_of_turn>",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    printed = False
+    try:
+        from .engine import Engine
+
+        engine = Engine.from_pretrained(
+            args.model,
+            device=args.device,
+            dtype=args.dtype,
+            max_seq_len=args.max_seq_len,
+            compile=not args.no_compile,
+            buckets=args.buckets,
+        )
+        request = engine.chat_prompt(prompt) if args.chat else prompt
+        start = time.perf_counter()
+        first = None
+        run = engine.stream(
+            request,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            stop=args.stop,
+        )
+        for piece in run:
+            first = first or time.perf_counter() - start
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+            printed = True
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        print(_summary(engine.last_stats, first), file=sys.stderr)
+        return 0
+    except GemmaEngineError as err:
+        if printed:
+            sys.stdout.write("\n")
+        print(f"gemma-run: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        return 130
+    except BrokenPipeError:  # e.g. piped into head: stop quietly
+        sys.stderr.close()
+        return 0
+
+
+def _summary(stats: dict, first_token_seconds: float | None) -> str:
+    rate = stats.get("decode_tokens_per_second")
+    compiled = stats.get("buckets_compiled") or []
+    parts = [
+        f"{stats['prompt_tokens']} prompt tokens",
+        f"first token {first_token_seconds:.2f} s" if first_token_seconds else "no text",
+        f"decode {rate:.1f} tok/s ({stats['decode_tokens']} steps)" if rate else "no decode steps",
+        f"buckets compiled: {', '.join(map(str, compiled))} in {stats['compile_seconds']:.1f} s"
+        if compiled
+        else "no new graphs compiled",
+    ]
+    return "gemma-run: " + "; ".join(parts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

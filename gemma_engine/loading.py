@@ -1,0 +1,208 @@
+"""Find a checkpoint (folder, GGUF file, hub id or the default) and load it strictly.
+
+Weights come only from safetensors (memory-mapped) or GGUF: a pickle-based ``.bin``/``.pt``
+file can run arbitrary code when loaded, so it is refused, never opened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import GemmaConfig
+from .errors import CheckpointError, CheckpointNotFoundError
+from .model import GemmaForCausalLM
+
+_HUB_FILES = [
+    "config.json",
+    "generation_config.json",
+    "tokenizer.model",
+    "*.safetensors",
+    "model.safetensors.index.json",
+]
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# Multimodal Gemma 3 checkpoints nest the text model; these prefixes map back onto ours.
+_TEXT_PREFIXES = {
+    "model.language_model.": "model.",
+    "language_model.model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+}
+_SKIPPED_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+
+
+@dataclass
+class Checkpoint:
+    """What a model source resolves to: a config, weights to load, a tokenizer."""
+
+    config: dict
+    tensors: dict[str, torch.Tensor]
+    tokenizer_model: Path | bytes
+    generation_config: dict
+
+
+def resolve(model: str | os.PathLike | None) -> Path:
+    """A local folder or .gguf file for ``model``: a path, a hub id, or None for the default."""
+    if model is None:
+        from .gguf import ensure_default_model
+
+        return ensure_default_model()
+    path = Path(model).expanduser()
+    if path.exists():
+        if path.is_file() and path.suffix in _PICKLE_SUFFIXES:
+            raise CheckpointError(_pickle_refusal(path))
+        if path.is_file() and path.suffix != ".gguf":
+            raise CheckpointError(f"{path} is a file; pass a checkpoint folder or a .gguf file")
+        return path
+    text = str(model)
+    looks_local = text.startswith((".", "/", "~")) or text.endswith(".gguf") or text.count("/") != 1
+    if looks_local:
+        raise CheckpointNotFoundError(
+            f"model {text!r} not found: no such folder or file, and it is not a hub id "
+            "(owner/name); check the path"
+        )
+    return _download(text)
+
+
+def _download(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES))
+    except LocalEntryNotFoundError:
+        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+        why = "HF_HUB_OFFLINE is set" if offline else "the hub could not be reached"
+        raise CheckpointNotFoundError(
+            f"hub model {repo_id!r} is not in the local Hugging Face cache and {why}; "
+            f"download it where the hub is reachable (hf download {repo_id}) or pass a "
+            "local folder"
+        ) from None
+    except HfHubHTTPError as err:
+        raise CheckpointNotFoundError(
+            f"hub model {repo_id!r} could not be downloaded ({type(err).__name__}: "
+            f"{str(err).splitlines()[0]}); check the id and your access (hf auth login)"
+        ) from None
+
+
+def _pickle_refusal(path: Path) -> str:
+    return (
+        f"{path} is a pickle checkpoint; gemma-engine loads only safetensors or GGUF, because "
+        "unpickling a file can run arbitrary code. Convert it to safetensors where you trust it "
+        "(transformers: model.save_pretrained(folder, safe_serialization=True))"
+    )
+
+
+def read_checkpoint(path: Path, dtype: torch.dtype) -> Checkpoint:
+    """Read a folder (config.json + safetensors + tokenizer.model) or a .gguf file."""
+    if path.is_file():
+        from .gguf import read_gguf
+
+        gguf = read_gguf(path, dtype=dtype)
+        return Checkpoint(
+            gguf.config, gguf.state_dict, gguf.tokenizer_model, gguf.generation_config
+        )
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise CheckpointNotFoundError(
+            f"{path} has no config.json; is it a Hugging Face checkpoint?"
+        )
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{config_file} is not valid JSON: {err}") from None
+    tokenizer = path / "tokenizer.model"
+    if not tokenizer.is_file():
+        raise CheckpointNotFoundError(f"{path} has no tokenizer.model (the SentencePiece model)")
+    gen_file = path / "generation_config.json"
+    gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+    return Checkpoint(config, _read_safetensors(path, dtype), tokenizer, gen)
+
+
+def _read_safetensors(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError, safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / "model.safetensors").is_file():
+        shards = ["model.safetensors"]
+    else:
+        pickles = sorted(p.name for p in folder.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+        if pickles:
+            raise CheckpointError(_pickle_refusal(folder / pickles[0]))
+        raise CheckpointNotFoundError(
+            f"{folder} has no model.safetensors or model.safetensors.index.json"
+        )
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        file = folder / shard
+        if not file.is_file():
+            raise CheckpointNotFoundError(f"{file} is listed in the index but missing")
+        try:
+            with safe_open(file, framework="pt") as f:  # memory-mapped: no copy when dtypes match
+                for name in f.keys():
+                    tensors[name] = f.get_tensor(name).to(dtype)
+        except SafetensorError as err:
+            raise CheckpointError(
+                f"{file} is not a valid safetensors file ({err}); it may be truncated: "
+                "download or convert it again"
+            ) from None
+    return tensors
+
+
+def text_state_dict(
+    tensors: dict[str, torch.Tensor], config: GemmaConfig
+) -> dict[str, torch.Tensor]:
+    """Map the text model's tensors onto our (Hugging Face) names; drop vision tensors."""
+    out = {}
+    for name, tensor in tensors.items():
+        if name.startswith(_SKIPPED_PREFIXES):
+            continue
+        for prefix, ours in _TEXT_PREFIXES.items():
+            if name.startswith(prefix):
+                name = ours + name[len(prefix) :]
+                break
+        out[name] = tensor
+    if config.tie_word_embeddings:
+        out.pop("lm_head.weight", None)  # a tied head is the embedding; some exports repeat it
+    return out
+
+
+def build_model(
+    config: GemmaConfig, tensors: dict[str, torch.Tensor], device: torch.device
+) -> GemmaForCausalLM:
+    """Build on the meta device and assign the checkpoint's tensors: no second copy."""
+    with torch.device("meta"):
+        model = GemmaForCausalLM(config)
+    state = text_state_dict(tensors, config)
+    expected = {name: p.shape for name, p in model.state_dict().items()}
+    missing = sorted(expected.keys() - state.keys())
+    unexpected = sorted(state.keys() - expected.keys())
+    if missing:
+        raise CheckpointError(
+            f"checkpoint is missing {len(missing)} tensor(s): "
+            f"{', '.join(missing[:5])}; is it complete and a Gemma text model?"
+        )
+    if unexpected:
+        raise CheckpointError(
+            f"checkpoint has {len(unexpected)} unexpected tensor(s): "
+            f"{', '.join(unexpected[:5])}; does config.json match the weights?"
+        )
+    for name, shape in expected.items():
+        if state[name].shape != shape:
+            raise CheckpointError(
+                f"tensor {name} has shape {tuple(state[name].shape)}, "
+                f"but config.json implies {tuple(shape)}"
+            )
+    state = {name: t.to(device) for name, t in state.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.eval().requires_grad_(False)
