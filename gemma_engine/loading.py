@@ -73,13 +73,13 @@ def resolve(model: str | os.PathLike | None) -> Path:
 
 
 def _download(repo_id: str) -> Path:
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
         return Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES))
     except LocalEntryNotFoundError:
-        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+        offline = constants.HF_HUB_OFFLINE
         why = "HF_HUB_OFFLINE is set" if offline else "the hub could not be reached"
         raise CheckpointNotFoundError(
             f"hub model {repo_id!r} is not in the local Hugging Face cache and {why}; "

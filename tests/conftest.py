@@ -18,7 +18,7 @@ TRAIN_TEXT = (
 )
 
 
-def train_tokenizer(path: Path, vocab_size: int = 400) -> Path:
+def train_tokenizer(path: Path, vocab_size: int = 512) -> Path:
     """Train a small SentencePiece BPE model shaped like Gemma's (byte fallback, no prefix)."""
     lines = [TRAIN_TEXT * 3, *(f"line {i}: {TRAIN_TEXT[i % 50 :]}" for i in range(200))]
     buf = io.BytesIO()
