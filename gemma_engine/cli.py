@@ -14,6 +14,10 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"gemma-run: error: {message} (see gemma-run --help)\n")
 
 
+def _bucket_list(text: str) -> list[int]:
+    return [int(b) for b in text.split(",")]
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="gemma-run", description="Generate text with a Gemma model.")
     p.add_argument("--prompt", required=True, help="the prompt text, or - to read stdin")
@@ -33,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", type=int, help="KV cache length in tokens")
     p.add_argument(
         "--buckets",
-        type=lambda s: [int(b) for b in s.split(",")],
+        type=_bucket_list,
         help="comma-separated decode bucket lengths (default: powers of two from 256)",
     )
     p.add_argument("--no-compile", action="store_true", help="run eagerly, without torch.compile")

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .config import GemmaConfig
+from .config import AttentionType, GemmaConfig
 from .errors import InvalidRequestError, OutOfMemoryError
 from .loading import build_model, read_checkpoint, resolve
 from .model import GemmaForCausalLM
@@ -386,7 +386,7 @@ def _check_cache_fits(
 ) -> None:
     window = config.sliding_window or max_seq_len
     slots = sum(
-        min(window, max_seq_len) if t.value == "sliding_attention" else max_seq_len
+        min(window, max_seq_len) if t is AttentionType.SLIDING else max_seq_len
         for t in config.layer_types
     )
     need = 2 * slots * config.num_key_value_heads * config.head_dim * dtype.itemsize

@@ -195,3 +195,11 @@ def test_cli_reads_stdin_and_ctrl_c_exits_130(folder, monkeypatch, capsys):
     monkeypatch.setattr(Engine, "stream", interrupted)
     assert main(["--prompt", "-", "--model", str(folder), "--no-compile"]) == 130
     assert capsys.readouterr().out == "partial\n"
+
+
+def test_cache_that_cannot_fit_in_memory(folder, monkeypatch):
+    from gemma_engine import OutOfMemoryError
+
+    monkeypatch.setattr("gemma_engine.engine.os.sysconf", lambda name: 16)  # 256 bytes free
+    with pytest.raises(OutOfMemoryError, match="smaller max_seq_len"):
+        load(folder)
