@@ -1111,7 +1111,8 @@ def render(run: dict, args) -> str:
         f"Plots: [decode tokens/s vs context]({bu.rel(plots[0], args.out.parent)}), "
         f"[bucketing speedup vs context]({bu.rel(plots[1], args.out.parent)})."
     )
-    return "\n".join(L) + "\n"
+    # Paths inside the repository read better, and travel, relative to it.
+    return "\n".join(L).replace(str(bu.REPO) + os.sep, "") + "\n"
 
 
 def _plot_names(device: str, args) -> tuple[Path, Path]:

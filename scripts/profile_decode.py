@@ -1,0 +1,53 @@
+"""Profile one compiled decode step of the default model: where a token's time goes.
+
+.venv/bin/python scripts/profile_decode.py [--context 512] [--steps 10] [--no-compile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from gemma_engine import Engine
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--context", type=int, default=512, help="position of the decode step")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--no-compile", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    engine = Engine.from_pretrained(
+        args.model, compile=not args.no_compile, max_seq_len=max(1024, args.context)
+    )
+    tokens, pos = torch.tensor([[100]]), torch.tensor([args.context - 1])
+    kv_len = engine.bucket_for(args.context)
+    for _ in range(3):  # compile and warm up
+        engine.step(tokens, pos, kv_len)
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        engine.step(tokens, pos, kv_len)
+        times.append(time.perf_counter() - start)
+    print(
+        f"decode step at context {args.context} (bucket {kv_len}): median "
+        f"{statistics.median(times) * 1e3:.1f} ms over {args.steps} steps"
+    )
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            engine.step(tokens, pos, kv_len)
+    print(
+        prof.key_averages().table(
+            sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=40
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
