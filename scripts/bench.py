@@ -1107,10 +1107,10 @@ def render(run: dict, args) -> str:
     )
     plots = _plot_names(dev, args)
     L.append("")
-    L.append(
-        f"Plots: [decode tokens/s vs context]({bu.rel(plots[0], args.out.parent)}), "
-        f"[bucketing speedup vs context]({bu.rel(plots[1], args.out.parent)})."
-    )
+    links = f"Plots: [decode tokens/s vs context]({bu.rel(plots[0], args.out.parent)})"
+    if all(n in res and not _status(res[n]) for n in ("engine-bucketed", "engine-full")):
+        links += f", [bucketing speedup vs context]({bu.rel(plots[1], args.out.parent)})"
+    L.append(links + ".")
     # Paths inside the repository read better, and travel, relative to it.
     return "\n".join(L).replace(str(bu.REPO) + os.sep, "") + "\n"
 
