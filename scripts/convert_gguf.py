@@ -14,15 +14,14 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 # Runnable from a plain checkout, without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gemma_engine.engine import parse_dtype  # noqa: E402
 from gemma_engine.errors import GemmaEngineError  # noqa: E402
 from gemma_engine.gguf import DEFAULT_MODEL_DIR, convert_gguf, ensure_default_model  # noqa: E402
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,9 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.gguf is None:
-            out = ensure_default_model(model_dir=args.out, dtype=DTYPES[args.dtype])
+            out = ensure_default_model(model_dir=args.out, dtype=parse_dtype(args.dtype))
         else:
-            out = convert_gguf(args.gguf, args.out, DTYPES[args.dtype], overwrite=args.overwrite)
+            out = convert_gguf(
+                args.gguf, args.out, parse_dtype(args.dtype), overwrite=args.overwrite
+            )
     except GemmaEngineError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
