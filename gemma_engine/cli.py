@@ -40,6 +40,12 @@ def _parser() -> argparse.ArgumentParser:
         type=_bucket_list,
         help="comma-separated decode bucket lengths (default: powers of two from 256)",
     )
+    p.add_argument(
+        "--quantize",
+        choices=["none", "int8", "int4"],
+        help="weight-only quantization at load time (default: none, or as saved)",
+    )
+    p.add_argument("--group-size", type=int, help="int4 group size (default: 64 where it fits)")
     p.add_argument("--no-compile", action="store_true", help="run eagerly, without torch.compile")
     p.add_argument(
         "--chat",
@@ -63,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
             max_seq_len=args.max_seq_len,
             compile=not args.no_compile,
             buckets=args.buckets,
+            quantize=args.quantize,
+            group_size=args.group_size,
         )
         request = engine.chat_prompt(prompt) if args.chat else prompt
         start = time.perf_counter()
@@ -83,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             printed = True
         sys.stdout.write("\n")
         sys.stdout.flush()
-        print(_summary(engine.last_stats, first), file=sys.stderr)
+        print(_summary(engine.last_stats, first, engine.quantization), file=sys.stderr)
         return 0
     except GemmaEngineError as err:
         if printed:
@@ -99,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
 
-def _summary(stats: dict, first_token_seconds: float | None) -> str:
+def _summary(stats: dict, first_token_seconds: float | None, quantization) -> str:
     rate = stats.get("decode_tokens_per_second")
     compiled = stats.get("buckets_compiled") or []
     parts = [
@@ -110,6 +118,9 @@ def _summary(stats: dict, first_token_seconds: float | None) -> str:
         if compiled
         else "no new graphs compiled",
     ]
+    if quantization:
+        method, group = quantization
+        parts.insert(0, f"{method} weights" + (f" (groups of {group})" if group else ""))
     return "gemma-run: " + "; ".join(parts)
 
 

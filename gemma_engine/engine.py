@@ -9,19 +9,24 @@ tail of the cache beyond its bucket.
 from __future__ import annotations
 
 import bisect
+import json
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from . import quant
 from .config import AttentionType, GemmaConfig
 from .errors import InvalidRequestError, OutOfMemoryError
 from .loading import build_model, read_checkpoint, resolve
 from .model import GemmaForCausalLM
+from .quant import check_quantize
 from .sampling import SamplingParams, sample
 from .tokenizer import IncrementalDecoder, Tokenizer
 
@@ -94,6 +99,8 @@ class Engine:
         self.compile = compile
         self.compile_seconds: dict[int, float] = {}  # bucket -> seconds its first call took
         self.last_stats: dict[str, Any] = {}  # stats of the latest generation, even a stream's
+        self.quantization: tuple[str, int | None] | None = None  # (method, group size)
+        self._source: Any = None  # the Checkpoint loaded, less its tensors (save_pretrained)
         if compile:
             # One graph per bucket: kv_len is a Python int, so each new value compiles once.
             # Dynamo counts graphs per code object, shared by every engine in the process, so
@@ -110,6 +117,12 @@ class Engine:
             self._compiled = torch.compile(
                 model, mode="reduce-overhead", fullgraph=True, dynamic=False
             )
+            # A prompt's layers run eagerly (lengths vary, the matmuls are large), but its one
+            # row of logits is a decode-shaped product with the whole output matrix: compiled,
+            # it streams the weights as decode does instead of expanding a quantized matrix.
+            self._head = torch.compile(model.logits, fullgraph=True, dynamic=False)
+        else:
+            self._head = model.logits
 
     @classmethod
     def from_pretrained(
@@ -121,17 +134,43 @@ class Engine:
         max_seq_len: int | None = None,
         compile: bool | None = None,
         buckets: list[int] | None = None,
+        quantize: str | None = None,
+        group_size: int | None = None,
     ) -> Engine:
-        """Load ``model`` (a folder, a .gguf file, a hub id, or None for the default model)."""
+        """Load ``model`` (a folder, a .gguf file, a hub id, or None for the default model).
+
+        ``quantize`` ("none", "int8" or "int4", with ``group_size`` for int4) stores the
+        weights in fewer bits (see quant.py); a checkpoint saved by ``save_pretrained`` after
+        quantizing loads as it was saved.
+        """
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = parse_dtype(dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32))
         ckpt = read_checkpoint(resolve(model), dtype)
         config = GemmaConfig.from_hf(ckpt.config)
+        widths = [config.hidden_size, config.intermediate_size]
+        widths.append(config.num_attention_heads * config.head_dim)
+        method, group_size = check_quantize(quantize, group_size, widths)
+        saved = ckpt.config.get(quant.CONFIG_KEY)
+        if saved and method not in ("none", saved["method"]):
+            raise InvalidRequestError(
+                f"this checkpoint is already quantized ({saved['method']}); load it without "
+                "quantize, or quantize from the original weights"
+            )
         max_seq_len = _check_max_seq_len(max_seq_len, config)
         buckets = _check_buckets(buckets, max_seq_len)
         _check_cache_fits(config, max_seq_len, dtype, device)
         tokenizer = Tokenizer(ckpt.tokenizer_model)
-        net = build_model(config, ckpt.tensors, device)
+        if saved:
+            quantized = (saved["method"], saved.get("group_size"))
+            net = build_model(config, ckpt.tensors, device, dtype, quantized)
+        else:
+            net = build_model(config, ckpt.tensors, device, dtype)
+            if method != "none":
+                quant.quantize_model(net, method, group_size, dtype)
+                quantized = (method, group_size)
+            else:
+                quantized = None
+        del ckpt.tensors  # the model holds what it needs
         net.setup_cache(max_seq_len)
         eos = set(config.eos_token_ids)
         gen_eos = ckpt.generation_config.get("eos_token_id")
@@ -140,13 +179,51 @@ class Engine:
         )
         if tokenizer.has_piece("<end_of_turn>"):  # a finished turn ends the text, as in HF
             eos.add(tokenizer.special_id("<end_of_turn>"))
-        return cls(
+        engine = cls(
             net,
             tokenizer,
             compile=True if compile is None else compile,
             buckets=buckets,
             eos_token_ids=eos,
         )
+        engine.quantization = quantized
+        engine._source = ckpt  # config and tokenizer, for save_pretrained
+        return engine
+
+    def save_pretrained(self, folder: str | os.PathLike) -> Path:
+        """Write the model as a checkpoint folder (safetensors), quantized weights as they are.
+
+        The folder is written under a temporary name and renamed when complete; an existing
+        folder is refused rather than overwritten.
+        """
+        from safetensors.torch import save_file
+
+        folder = Path(folder).expanduser()
+        if folder.exists():
+            raise InvalidRequestError(f"{folder} already exists; choose a new folder")
+        config = dict(self._source.config)
+        config.pop(quant.CONFIG_KEY, None)
+        if self.quantization is not None:
+            method, group = self.quantization
+            config[quant.CONFIG_KEY] = {
+                "method": method,
+                "group_size": group if method == "int4" else None,
+            }
+        tmp = folder.with_name(f".{folder.name}.partial-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            state = {k: v.detach().contiguous().cpu() for k, v in self.model.state_dict().items()}
+            save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            gen = self._source.generation_config
+            (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+            (tmp / "tokenizer.model").write_bytes(self.tokenizer.sp.serialized_model_proto())
+            tmp.rename(folder)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return folder
 
     # -- the decode step ------------------------------------------------------------------
     def bucket_for(self, length: int) -> int:
@@ -176,8 +253,8 @@ class Engine:
         for start in range(0, len(ids), PREFILL_CHUNK):
             end = min(start + PREFILL_CHUNK, len(ids))
             pos = torch.arange(start, end, device=self.device)
-            logits = self.model(tokens[:, start:end], pos, self.bucket_for(end))
-        return logits[:, -1]  # (1, vocab)
+            hidden = self.model.hidden(tokens[:, start:end], pos, self.bucket_for(end))
+        return self._head(hidden)[:, -1]  # (1, vocab)
 
     def _token_stream(
         self, ids: list[int], max_new_tokens: int, params: SamplingParams, stats: dict[str, Any]

@@ -16,6 +16,7 @@ import torch
 from .config import GemmaConfig
 from .errors import CheckpointError, CheckpointNotFoundError
 from .model import GemmaForCausalLM
+from .quant import QUANT_BUFFERS, quantize_model
 
 _HUB_FILES = [
     "config.json",
@@ -150,7 +151,13 @@ def _read_safetensors(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tenso
         try:
             with safe_open(file, framework="pt") as f:  # memory-mapped: no copy when dtypes match
                 for name in f.keys():
-                    tensors[name] = f.get_tensor(name).to(dtype)
+                    tensor = f.get_tensor(name)
+                    # Quantized weights and their scales keep their own dtypes.
+                    tensors[name] = (
+                        tensor.to(dtype)
+                        if tensor.dtype.is_floating_point and (not name.endswith(QUANT_BUFFERS))
+                        else tensor
+                    )
         except SafetensorError as err:
             raise CheckpointError(
                 f"{file} is not a valid safetensors file ({err}); it may be truncated: "
@@ -178,13 +185,23 @@ def text_state_dict(
 
 
 def build_model(
-    config: GemmaConfig, tensors: dict[str, torch.Tensor], device: torch.device
+    config: GemmaConfig,
+    tensors: dict[str, torch.Tensor],
+    device: torch.device,
+    dtype: torch.dtype,
+    quantized: tuple[str, int | None] | None = None,
 ) -> GemmaForCausalLM:
-    """Build on the meta device and assign the checkpoint's tensors: no second copy."""
+    """Build on the meta device and assign the checkpoint's tensors: no second copy.
+
+    ``quantized`` (method, group size) describes a checkpoint saved already quantized.
+    """
     with torch.device("meta"):
         model = GemmaForCausalLM(config)
+        if quantized is not None:
+            quantize_model(model, *quantized, dtype)
     state = text_state_dict(tensors, config)
-    expected = {name: p.shape for name, p in model.state_dict().items()}
+    metas = model.state_dict()
+    expected = {name: p.shape for name, p in metas.items()}
     missing = sorted(expected.keys() - state.keys())
     unexpected = sorted(state.keys() - expected.keys())
     if missing:
@@ -202,6 +219,12 @@ def build_model(
             raise CheckpointError(
                 f"tensor {name} has shape {tuple(state[name].shape)}, "
                 f"but config.json implies {tuple(shape)}"
+            )
+        want = metas[name].dtype
+        if not want.is_floating_point and state[name].dtype != want:  # quantized weights
+            raise CheckpointError(
+                f"tensor {name} is {state[name].dtype} but a quantized checkpoint stores "
+                f"{want}; save it again with this version of gemma-engine"
             )
     state = {name: t.to(device) for name, t in state.items()}
     model.load_state_dict(state, strict=True, assign=True)

@@ -16,6 +16,20 @@ from torch import Tensor, nn
 from .config import AttentionType, GemmaConfig, RopeConfig
 
 
+def one_token_on_cpu_compiled(x: Tensor) -> bool:
+    """A decode step on CPU inside a compiled graph, where matrix-vector products are fused
+    multiply-reduces: inductor streams a weight matrix through them 1.3-3x faster than MKL's
+    GEMV does (BENCHMARKS.md), and a quantized matrix is expanded in the same pass."""
+    return x.shape[:-1].numel() == 1 and x.device.type == "cpu" and torch.compiler.is_compiling()
+
+
+class Linear(nn.Linear):
+    def forward(self, x: Tensor) -> Tensor:
+        if one_token_on_cpu_compiled(x):
+            return (x.unsqueeze(-2) * self.weight).sum(-1)  # (..., 1, K) * (N, K) -> (..., N)
+        return F.linear(x, self.weight)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -118,10 +132,10 @@ class Attention(nn.Module):
             config.num_key_value_heads,
             config.head_dim,
         )
-        self.q_proj = nn.Linear(config.hidden_size, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, self.n_kv * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, self.n_kv * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=False)
+        self.q_proj = Linear(config.hidden_size, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = Linear(config.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = Linear(config.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = Linear(self.n_heads * self.head_dim, config.hidden_size, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -156,9 +170,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: GemmaConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         # GeGLU with the tanh approximation of GELU, as Gemma was trained.
@@ -204,13 +218,13 @@ class GemmaForCausalLM(nn.Module):
         self.config = config
         self.model = GemmaModel(config)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.max_seq_len = 0
 
     def setup_cache(self, max_seq_len: int, batch: int = 1) -> None:
         """Allocate the KV cache and rope tables once, on the weights' device and dtype."""
         cfg = self.config
-        weight = self.model.embed_tokens.weight
+        weight = self.model.norm.weight  # embed_tokens.weight may be quantized
         self.max_seq_len = max_seq_len
         with torch.device(weight.device):
             for layer in self.model.layers:
@@ -232,8 +246,16 @@ class GemmaForCausalLM(nn.Module):
         Only the last position's logits are computed unless ``all_logits``: a 262k-word vocabulary
         makes full-sequence logits the largest tensor of a prefill.
         """
+        return self.logits(self.hidden(tokens, input_pos, kv_len, all_logits))
+
+    def hidden(
+        self, tokens: Tensor, input_pos: Tensor, kv_len: int, all_positions: bool = False
+    ) -> Tensor:
+        """The final normed hidden states (B, T or 1, hidden), written into the cache on the way."""
         cfg = self.config
-        x = self.model.embed_tokens(tokens)  # (B, T, hidden)
+        embed = self.model.embed_tokens
+        quantized = not isinstance(embed, nn.Embedding)  # see quant.py
+        x = embed.embed(tokens) if quantized else embed(tokens)  # (B, T, hidden)
         # The sqrt(hidden) scale is rounded to the activation dtype first, as in the reference.
         x = x * torch.tensor(cfg.hidden_size**0.5, dtype=x.dtype, device=x.device)
         rope = {
@@ -245,15 +267,18 @@ class GemmaForCausalLM(nn.Module):
         for layer in self.model.layers:
             cos, sin = rope[layer.layer_type]
             x = layer(x, input_pos, kv_len, cos, sin, masks[layer.layer_type])
-        x = self.model.norm(x if all_logits else x[:, -1:])
-        head = self.model.embed_tokens.weight if cfg.tie_word_embeddings else self.lm_head.weight
-        if x.shape[1] == 1 and x.device.type == "cpu" and torch.compiler.is_compiling():
-            # Decode on CPU: the head (262k x 640 for Gemma 3) is most of a step's bytes, and
-            # inductor's fused multiply-reduce streams it about 1.6x faster than MKL's GEMV
-            # (measured in BENCHMARKS.md). Smaller, cache-resident matrices stay on MKL.
-            logits = (x.unsqueeze(-2) * head).sum(-1)  # (B, 1, 1, hidden) * (vocab, hidden)
+        return self.model.norm(x if all_positions else x[:, -1:])
+
+    def logits(self, x: Tensor) -> Tensor:
+        """Normed hidden states (B, T, hidden) -> logits (B, T, vocab)."""
+        cfg = self.config
+        head = self.model.embed_tokens if cfg.tie_word_embeddings else self.lm_head
+        if not isinstance(head, (nn.Embedding, nn.Linear)):
+            logits = head(x)  # a quantized matrix picks its own kernel (quant.py)
+        elif one_token_on_cpu_compiled(x):  # the head: 63% of Gemma 3 270M's weight bytes
+            logits = (x.unsqueeze(-2) * head.weight).sum(-1)  # (B, 1, 1, hidden) * (vocab, hidden)
         else:
-            logits = F.linear(x, head)  # (B, T, vocab)
+            logits = F.linear(x, head.weight)  # (B, T, vocab)
         if (cap := cfg.final_logit_softcapping) is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits

@@ -20,11 +20,21 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--context", type=int, default=512, help="position of the decode step")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rows", type=int, default=8, help="rows of the profile table")
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--quantize", default=None, help="none, int8 or int4")
+    parser.add_argument(
+        "--kernels", action="store_true", help="time each inductor kernel (slows the step)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(2)
+    if args.kernels:
+        torch._inductor.config.cpp.enable_kernel_profile = True
     engine = Engine.from_pretrained(
-        args.model, compile=not args.no_compile, max_seq_len=max(1024, args.context)
+        args.model,
+        compile=not args.no_compile,
+        max_seq_len=max(1024, args.context),
+        quantize=args.quantize,
     )
     tokens, pos = torch.tensor([[100]]), torch.tensor([args.context - 1])
     kv_len = engine.bucket_for(args.context)
@@ -44,7 +54,7 @@ def main() -> None:
             engine.step(tokens, pos, kv_len)
     print(
         prof.key_averages().table(
-            sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=40
+            sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60
         )
     )
 

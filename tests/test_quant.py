@@ -1,0 +1,219 @@
+"""Weight-only int8/int4: the formats, the kernels, and parity with transformers.
+
+The reference is transformers run on the dequantized weights: a quantized engine must compute
+exactly the model its quantized weights describe, on every path (prompt, compiled decode,
+saved and reloaded).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gemma_engine import Engine, InvalidRequestError
+from gemma_engine import quant
+from gemma_engine.cli import main as cli_main
+
+KIND = "gemma3"  # MQA, QK-norm, sliding and global layers
+
+
+@pytest.fixture(autouse=True)
+def fp32_prompts(monkeypatch):
+    """Prompt matmuls in fp32, so that the comparison is tight (bf16 is tested on its own)."""
+    monkeypatch.setattr(quant, "_cpu_bf16_matmul", lambda: False)
+
+
+def random_ids(n: int, seed: int) -> list[int]:
+    return torch.randint(4, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def dequantized_reference(engine: Engine, reference):
+    """A copy of the transformers model with the engine's quantized weights, expanded."""
+    import copy
+
+    ref = copy.deepcopy(reference)
+    state = {}
+    for name, module in engine.model.named_modules():
+        if isinstance(module, quant.Int8Linear):
+            w = quant.dequantize_int8(module.weight, module.scale, torch.float32)
+        elif isinstance(module, quant.Int4Linear):
+            w = quant.dequantize_int4(module.weight, module.scale, module.offset, torch.float32)
+        else:
+            continue
+        state[f"{name}.weight"] = w
+    missing = ref.load_state_dict(state, strict=False)
+    quantized = {k for k in state}
+    assert not [k for k in missing.unexpected_keys]
+    assert "model.embed_tokens.weight" in quantized  # the embedding is quantized too
+    assert len(quantized) == 1 + 7 * len(engine.model.model.layers)
+    return ref.eval()
+
+
+@pytest.mark.parametrize("group", [8, 32])
+def test_int4_round_trip_error_is_at_most_half_a_step(group):
+    w = torch.randn(48, 128) * torch.linspace(0.01, 3, 128)  # columns of very different sizes
+    packed, scale, offset = quant.quantize_int4(w, group)
+    assert packed.dtype == torch.uint8 and packed.shape == (48, 64)
+    assert scale.shape == offset.shape == (48, 128 // group)
+    back = quant.dequantize_int4(packed, scale, offset, torch.float32)
+    step = scale.float().repeat_interleave(group, dim=1)
+    # Half a step, plus the float16 rounding of scale and offset.
+    assert ((back - w).abs() <= 0.5 * step + 2e-3 * w.abs().amax()).all()
+    q = torch.cat((packed & 15, packed >> 4), dim=1)
+    assert q.max() <= 15 and q.unique().numel() > 8
+
+
+def test_int8_round_trip_error_is_at_most_half_a_step():
+    w = torch.randn(64, 96) * torch.linspace(0.01, 3, 64)[:, None]
+    q, scale = quant.quantize_int8(w)
+    assert q.dtype == torch.int8 and scale.shape == (64,)
+    assert q.abs().amax(1).eq(127).all()  # every row uses its full range
+    back = quant.dequantize_int8(q, scale, torch.float32)
+    assert ((back - w).abs() <= 0.5 * scale[:, None] * (1 + 1e-5)).all()
+
+
+def test_compiled_matvecs_match_the_dequantized_product():
+    torch.manual_seed(0)
+    w, x = torch.randn(300, 256), torch.randn(1, 1, 256)
+    q8 = quant.quantize_int8(w)
+    q4 = quant.quantize_int4(w, 32)
+    expect8 = x @ quant.dequantize_int8(*q8, torch.float32).T
+    expect4 = x @ quant.dequantize_int4(*q4, torch.float32).T
+    got8 = torch.compile(quant.matvec_int8, fullgraph=True)(x, *q8)
+    got4 = torch.compile(quant.matvec_int4, fullgraph=True)(x, *q4)
+    torch.testing.assert_close(got8, expect8, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(got4, expect4, atol=1e-4, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny_checkpoints):
+    folder, reference = tiny_checkpoints[KIND]
+    out = {}
+    for method, group in [("int8", None), ("int4", 16)]:
+        engine = Engine.from_pretrained(
+            folder,
+            quantize=method,
+            group_size=group,
+            compile=True,
+            max_seq_len=64,
+            buckets=[32],
+        )
+        out[method] = (engine, dequantized_reference(engine, reference))
+    return out
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_score_matches_transformers_on_dequantized_weights(method, quantized):
+    engine, ref = quantized[method]
+    for seed, length in [(0, 9), (1, 40)]:
+        ids = random_ids(length, seed)
+        with torch.no_grad():
+            expected = ref(torch.tensor([ids])).logits[0]
+        torch.testing.assert_close(engine.score(ids), expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_compiled_decode_matches_transformers(method, quantized):
+    """Greedy decode runs the fused kernels (prompt eager, head and steps compiled)."""
+    engine, ref = quantized[method]
+    prompt = random_ids(6, 3)
+    expected = ref.generate(
+        torch.tensor([prompt]), max_new_tokens=30, min_new_tokens=30, do_sample=False
+    )[0, len(prompt) :].tolist()
+    got = engine.generate(prompt, max_new_tokens=30)
+    assert got.token_ids == expected[: len(got.token_ids)]
+    assert len(got.token_ids) >= 20 or got.finish_reason == "stop"
+    assert got.stats["buckets_compiled"] == [32, 64]  # the steps ran compiled
+
+
+def test_bf16_prompt_matmuls_stay_close(monkeypatch, quantized):
+    """On a CPU with bf16 matmuls, prompts through quantized layers multiply in bf16."""
+    monkeypatch.setattr(quant, "_cpu_bf16_matmul", lambda: True)
+    engine, ref = quantized["int8"]
+    ids = random_ids(40, 5)
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    got = engine.score(ids)
+    err = (got - expected).abs().max() / expected.abs().max()
+    assert 0 < err < 3e-2  # not exact, since bf16 rounds, but close
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_saved_quantized_model_reloads_without_requantizing(method, quantized, tmp_path):
+    engine, _ = quantized[method]
+    saved = engine.save_pretrained(tmp_path / "q")
+    assert sorted(p.name for p in saved.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.model",
+    ]
+    entry = json.loads((saved / "config.json").read_text())[quant.CONFIG_KEY]
+    assert entry["method"] == method
+    again = Engine.from_pretrained(saved, compile=False, max_seq_len=64)
+    assert again.quantization == engine.quantization
+    for (name, a), (_, b) in zip(
+        engine.model.state_dict().items(), again.model.state_dict().items(), strict=True
+    ):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    ids = random_ids(20, 7)
+    torch.testing.assert_close(again.score(ids), engine.score(ids), atol=0, rtol=0)
+    with pytest.raises(InvalidRequestError, match="already quantized"):
+        Engine.from_pretrained(saved, quantize="int4" if method == "int8" else "int8")
+    with pytest.raises(InvalidRequestError, match="already exists"):
+        engine.save_pretrained(saved)
+    assert not list(tmp_path.glob(".*partial*"))  # no half-written folder left behind
+
+
+def test_save_unquantized_round_trips(tiny_checkpoints, tmp_path):
+    folder, _ = tiny_checkpoints["gemma"]
+    engine = Engine.from_pretrained(folder, compile=False, max_seq_len=64)
+    again = Engine.from_pretrained(engine.save_pretrained(tmp_path / "f"), compile=False)
+    ids = random_ids(12, 1)
+    torch.testing.assert_close(again.score(ids), engine.score(ids), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(quantize="int3"), "quantize must be one of none, int8, int4"),
+        (dict(quantize="int8", group_size=32), "group_size applies only"),
+        (dict(quantize="int4", group_size=7), "even number"),
+        (dict(quantize="int4", group_size=64), "multiple of 2 x group_size"),
+    ],
+)
+def test_bad_quantize_requests(kwargs, message, tiny_checkpoints):
+    folder, _ = tiny_checkpoints[KIND]
+    with pytest.raises(InvalidRequestError, match=message):
+        Engine.from_pretrained(folder, compile=False, **kwargs)
+
+
+def test_default_group_size_fits_small_widths(tiny_checkpoints):
+    folder, _ = tiny_checkpoints[KIND]  # widths 64 and 96: 64 does not fit, 16 does
+    engine = Engine.from_pretrained(folder, quantize="int4", compile=False, max_seq_len=32)
+    assert engine.quantization == ("int4", 16)
+
+
+def test_cli_quantize(tiny_checkpoints, capsys):
+    folder, _ = tiny_checkpoints[KIND]
+    code = cli_main(
+        [
+            "--model",
+            str(folder),
+            "--prompt",
+            "The quick",
+            "--quantize",
+            "int8",
+            "--max-new-tokens",
+            "5",
+            "--no-compile",
+        ]
+    )
+    assert code == 0
+    assert "int8" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["--model", str(folder), "--prompt", "x", "--quantize", "int5"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'int5'" in capsys.readouterr().err
