@@ -9,6 +9,8 @@ Contestants (each in its own subprocess, one after another, batch 1):
   engine-full       gemma-engine, compiled, buckets=[max_seq_len]: every step attends over
                     the whole static buffer (the ablation of bucketing)
   engine-eager      gemma-engine, compile=False
+  engine-int8       gemma-engine, compiled, bucketed, int8 weights (per-channel scales)
+  engine-int4       gemma-engine, compiled, bucketed, int4 weights (groups of 64)
   hf-eager          transformers generate() defaults: eager PyTorch, DynamicCache
   hf-static         transformers with a StaticCache and model.forward compiled with
                     torch.compile(mode="reduce-overhead", fullgraph=True)
@@ -64,6 +66,8 @@ CONTESTANTS = [
     "engine-bucketed",
     "engine-full",
     "engine-eager",
+    "engine-int8",
+    "engine-int4",
     "hf-eager",
     "hf-static",
     "llama.cpp",
@@ -73,6 +77,8 @@ LABELS = {
     "engine-bucketed": "gemma-engine, compiled, bucketed (default)",
     "engine-full": "gemma-engine, compiled, full static buffer",
     "engine-eager": "gemma-engine, eager",
+    "engine-int8": "gemma-engine, compiled, bucketed, int8 weights",
+    "engine-int4": "gemma-engine, compiled, bucketed, int4 weights",
     "hf-eager": "transformers generate (eager, DynamicCache)",
     "hf-static": "transformers StaticCache + compiled forward",
     "llama.cpp": "llama.cpp (llama-cpp-python defaults, Q4_K_M)",
@@ -156,12 +162,17 @@ class EngineContestant(TorchContestant):
             kw["dtype"] = self.spec["dtype"]
         if self.variant == "full":
             kw["buckets"] = [self.spec["max_ctx"]]
+        if self.variant in ("int8", "int4"):
+            kw["quantize"] = self.variant
         self.engine = Engine.from_pretrained(self.spec["model"], **kw)
         self.cfg = self.engine.config
         self.tok = self.torch.tensor([[self.ids_long[0]]], device=self.device)
-        p = next(self.engine.model.parameters())
+        p = next(self.engine.model.parameters())  # a norm's weight: the activation dtype
         self.elem = p.element_size()
-        self.weight_bytes = _param_bytes(self.engine.model)
+        # Quantized weights and scales are buffers; the KV cache and rope tables are not saved.
+        self.weight_bytes = sum(
+            t.numel() * t.element_size() for t in self.engine.model.state_dict().values()
+        )
 
     def prepare(self, ctx: int) -> None:
         self.pos = self.torch.tensor([ctx - 1], device=self.device)
@@ -471,6 +482,8 @@ def make_contestant(name: str, spec: dict):
         return EngineContestant(spec, "full")
     if name == "engine-eager":
         return EngineContestant(spec, "eager")
+    if name in ("engine-int8", "engine-int4"):
+        return EngineContestant(spec, name.removeprefix("engine-"))
     if name == "hf-eager":
         return HFContestant(spec, static=False)
     if name == "hf-static":

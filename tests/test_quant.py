@@ -12,8 +12,7 @@ import json
 import pytest
 import torch
 
-from gemma_engine import Engine, InvalidRequestError
-from gemma_engine import quant
+from gemma_engine import Engine, InvalidRequestError, quant
 from gemma_engine.cli import main as cli_main
 
 KIND = "gemma3"  # MQA, QK-norm, sliding and global layers
