@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
         choices=["none", "int8", "int4"],
         help="weight-only quantization at load time (default: none, or as saved)",
     )
-    p.add_argument("--group-size", type=int, help="int4 group size (default: 64 where it fits)")
+    p.add_argument("--group-size", type=int, help="int4 group size (default: 32 where it fits)")
     p.add_argument("--no-compile", action="store_true", help="run eagerly, without torch.compile")
     p.add_argument(
         "--chat",

@@ -10,7 +10,7 @@ Contestants (each in its own subprocess, one after another, batch 1):
                     the whole static buffer (the ablation of bucketing)
   engine-eager      gemma-engine, compile=False
   engine-int8       gemma-engine, compiled, bucketed, int8 weights (per-channel scales)
-  engine-int4       gemma-engine, compiled, bucketed, int4 weights (groups of 64)
+  engine-int4       gemma-engine, compiled, bucketed, int4 layers (groups of 32), int8 output layer
   hf-eager          transformers generate() defaults: eager PyTorch, DynamicCache
   hf-static         transformers with a StaticCache and model.forward compiled with
                     torch.compile(mode="reduce-overhead", fullgraph=True)
