@@ -89,7 +89,7 @@ class KVCache(nn.Module):
             self.k.index_copy_(2, input_pos, k)
             self.v.index_copy_(2, input_pos, v)
             return self.k[:, :, :kv_len], self.v[:, :, :kv_len]  # (B, KV, kv_len, D)
-        n_ring = min(kv_len, self.window)
+        n_ring = ring_length(kv_len, k.shape[2], self.window)
         keys = torch.cat((self.k[:, :, :n_ring], k), dim=2)  # (B, KV, n_ring + T, D)
         values = torch.cat((self.v[:, :, :n_ring], v), dim=2)
         n_new = min(k.shape[2], self.window)  # older keys of a long chunk would be overwritten
@@ -97,6 +97,15 @@ class KVCache(nn.Module):
         self.k.index_copy_(2, slots, k[:, :, -n_new:])
         self.v.index_copy_(2, slots, v[:, :, -n_new:])
         return keys, values
+
+
+def ring_length(kv_len: int, chunk: int, window: int) -> int:
+    """Ring slots a chunk of ``chunk`` new tokens must read: the positions before it.
+
+    Those are fewer than ``kv_len - chunk`` (the bucket holds the chunk's end) and a window at
+    most, so a prompt's first chunk reads no ring at all.
+    """
+    return min(kv_len - chunk, window)
 
 
 def attention_masks(
@@ -111,7 +120,7 @@ def attention_masks(
     global_pos = torch.arange(kv_len, device=input_pos.device)  # slot i holds position i
     masks = {AttentionType.GLOBAL: global_pos[None, :] <= q_pos}
     if window is not None:
-        n_ring = min(kv_len, window)
+        n_ring = ring_length(kv_len, input_pos.shape[0], window)
         last = input_pos[0] - 1  # the newest position already in the ring
         slots = torch.arange(n_ring, device=input_pos.device)
         ring_pos = last - torch.remainder(last - slots, window)  # negative: never written
@@ -154,6 +163,13 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys, values = self.cache.update(k, v, input_pos, kv_len)  # (B, KV, S, D)
 
+        if T > 1 and self.config.attn_logit_softcapping is None:
+            # A prompt: PyTorch's fused attention (flash on CPU), which never materialises the
+            # (T, S) probabilities; Gemma 2's soft-capping needs the explicit form below.
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=True
+            )  # (B, H, T, D)
+            return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
         # Grouped heads share a key head: fold the group into the query length, no repeat.
         group = self.n_heads // self.n_kv
         q = q.reshape(B, self.n_kv, group * T, self.head_dim)  # (B, KV, G*T, D)
