@@ -101,6 +101,7 @@ class Engine:
         self.last_stats: dict[str, Any] = {}  # stats of the latest generation, even a stream's
         self.quantization: tuple[str, int | None] | None = None  # (method, group size)
         self._source: Any = None  # the Checkpoint loaded, less its tensors (save_pretrained)
+        self.overlap_steps = self.device.type == "cuda"  # see _token_stream
         if compile:
             # One graph per bucket: kv_len is a Python int, so each new value compiles once.
             # Dynamo counts graphs per code object, shared by every engine in the process, so
@@ -273,6 +274,11 @@ class Engine:
         steps = min(max_new_tokens, self.max_seq_len - len(ids) + 1) - 1
         input_pos = torch.tensor([len(ids)], device=self.device)
         used = stats["buckets_used"]
+        # On a GPU, step i+1 is queued before token i is read back, so the device never waits
+        # for the host between steps (tokens are sampled on the device and fed back there);
+        # the price is one step computed after an EOS. On CPU there is nothing to overlap.
+        lag = 1 if self.overlap_steps else 0
+        in_flight: list[tuple[Tensor, Any]] = []
         for i in range(steps):
             kv_len = self.bucket_for(len(ids) + i + 1)
             if not used or used[-1] != kv_len:
@@ -281,12 +287,16 @@ class Engine:
             t0 = time.perf_counter()
             logits = self.step(token.view(1, 1), input_pos, kv_len)[:, -1]
             token = sample(logits, params, generator)
-            value = token.item()  # the one host sync per step: EOS and streaming need the id
-            if not fresh:  # a step that compiled a graph is not decode speed
-                stats["decode_seconds"] += time.perf_counter() - t0
-                stats["decode_tokens"] += 1
             input_pos += 1
-            yield value
+            in_flight.append(_to_host(token))
+            if len(in_flight) > lag:
+                value = _read(in_flight.pop(0))  # the host waits here, for an earlier step
+                if not fresh:  # a step that compiled a graph is not decode speed
+                    stats["decode_seconds"] += time.perf_counter() - t0
+                    stats["decode_tokens"] += 1
+                yield value
+        for item in in_flight:
+            yield _read(item)
 
     # -- the public API ---------------------------------------------------------------------
     def generate(
@@ -420,6 +430,23 @@ class Engine:
         seconds = stats["decode_seconds"]
         stats["decode_tokens_per_second"] = stats["decode_tokens"] / seconds if seconds else None
         return Generation("".join(pieces), new_ids, finish, stats)
+
+
+def _to_host(token: Tensor) -> tuple[Tensor, Any]:
+    """Start copying a sampled token id to the host; (host tensor, event marking its arrival)."""
+    if token.device.type != "cuda":
+        return token, None
+    host = token.to("cpu", non_blocking=True)  # pinned, asynchronous
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
+def _read(item: tuple[Tensor, Any]) -> int:
+    host, done = item
+    if done is not None:
+        done.synchronize()
+    return int(host.item())
 
 
 def _split_at_stop(text: str, stops: list[str]) -> tuple[str, str, bool]:

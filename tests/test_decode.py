@@ -158,3 +158,23 @@ def test_default_buckets_double_up_to_the_cache():
     assert default_buckets(8192) == [256, 512, 1024, 2048, 4096, 8192]
     assert default_buckets(3000) == [256, 512, 1024, 2048, 3000]
     assert default_buckets(100) == [100]
+
+
+def test_overlapped_steps_give_the_same_tokens(tiny_checkpoints):
+    """The GPU loop (step i+1 queued before token i is read) yields exactly the plain loop's
+    tokens, stops at the same EOS, and fills a full cache the same way."""
+    folder = tiny_checkpoints["gemma3"][0]
+    plain = Engine.from_pretrained(folder, compile=False, max_seq_len=40, buckets=[8, 16, 32])
+    lagged = Engine.from_pretrained(folder, compile=False, max_seq_len=40, buckets=[8, 16, 32])
+    lagged.overlap_steps = True
+    for seed in range(3):
+        prompt = ids_for(5 + seed, seed=seed)
+        for kwargs in (dict(max_new_tokens=50), dict(max_new_tokens=7, temperature=0.8, seed=1)):
+            a, b = plain.generate(prompt, **kwargs), lagged.generate(prompt, **kwargs)
+            assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+    eos = plain.generate(ids_for(6, seed=9), max_new_tokens=12).token_ids[5]
+    for engine in (plain, lagged):
+        engine.eos_token_ids = {eos}
+    a = plain.generate(ids_for(6, seed=9), max_new_tokens=12)
+    b = lagged.generate(ids_for(6, seed=9), max_new_tokens=12)
+    assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason == "stop"
