@@ -63,9 +63,10 @@ class KVCache(nn.Module):
     """One layer's keys and values, preallocated and written in place.
 
     A global layer owns ``max_seq_len`` slots and slot i holds position i. A sliding layer owns
-    only ``window`` slots used as a ring (position p lives in slot p % window); it returns the
-    ring as it was before this call's write, followed by the new keys, so that a chunk longer
-    than the window still sees every key it needs.
+    only ``window`` slots used as a ring (position p lives in slot p % window). For a chunk of
+    several tokens it returns the ring as it was before this call's write, followed by the new
+    keys, so that a chunk longer than the window still sees every key it needs; a single decode
+    token is written first and the ring is read in place.
     """
 
     def __init__(
@@ -89,6 +90,15 @@ class KVCache(nn.Module):
             self.k.index_copy_(2, input_pos, k)
             self.v.index_copy_(2, input_pos, v)
             return self.k[:, :, :kv_len], self.v[:, :, :kv_len]  # (B, KV, kv_len, D)
+        if k.shape[2] == 1:
+            # Decode: write first, then read the ring in place. The slot written held a position
+            # a whole window back, which this query no longer sees. (Reading before writing, as
+            # a chunk must, makes the compiled step copy every ring to keep the old values.)
+            slot = torch.remainder(input_pos, self.window)
+            self.k.index_copy_(2, slot, k)
+            self.v.index_copy_(2, slot, v)
+            n = min(kv_len, self.window)
+            return self.k[:, :, :n], self.v[:, :, :n]  # (B, KV, n, D)
         n_ring = ring_length(kv_len, k.shape[2], self.window)
         keys = torch.cat((self.k[:, :, :n_ring], k), dim=2)  # (B, KV, n_ring + T, D)
         values = torch.cat((self.v[:, :, :n_ring], v), dim=2)
@@ -120,11 +130,16 @@ def attention_masks(
     global_pos = torch.arange(kv_len, device=input_pos.device)  # slot i holds position i
     masks = {AttentionType.GLOBAL: global_pos[None, :] <= q_pos}
     if window is not None:
-        n_ring = ring_length(kv_len, input_pos.shape[0], window)
-        last = input_pos[0] - 1  # the newest position already in the ring
+        if input_pos.shape[0] == 1:  # decode reads the ring after writing (KVCache.update)
+            n_ring, last = min(kv_len, window), input_pos[0]
+        else:  # a chunk reads the ring as it was, then its own keys
+            n_ring, last = ring_length(kv_len, input_pos.shape[0], window), input_pos[0] - 1
         slots = torch.arange(n_ring, device=input_pos.device)
         ring_pos = last - torch.remainder(last - slots, window)  # negative: never written
-        key_pos = torch.cat((ring_pos, input_pos))[None, :]  # (1, n_ring + T)
+        if input_pos.shape[0] == 1:
+            key_pos = ring_pos[None, :]  # (1, n_ring)
+        else:
+            key_pos = torch.cat((ring_pos, input_pos))[None, :]  # (1, n_ring + T)
         masks[AttentionType.SLIDING] = (
             (key_pos >= 0) & (key_pos <= q_pos) & (key_pos > q_pos - window)
         )
