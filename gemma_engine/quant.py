@@ -11,7 +11,7 @@ the fly. A decode step is bound by the bytes of weights it reads (1.07 GB a toke
 
 Decode on CPU multiplies and reduces the quantized weights inside the compiled graph, where
 inductor fuses the expansion into one vectorized pass over the weight bytes; PyTorch's own
-packed kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``) measured 12x and 16x
+packed kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``) measured 9-12x and 11-16x
 slower on the benchmark machine (BENCHMARKS.md). A prompt of many tokens expands each weight
 once per call and runs a dense matmul, which amortises the expansion over the tokens.
 
