@@ -26,7 +26,6 @@ from .config import AttentionType, GemmaConfig
 from .errors import InvalidRequestError, OutOfMemoryError
 from .loading import build_model, read_checkpoint, resolve
 from .model import GemmaForCausalLM
-from .quant import check_quantize
 from .sampling import SamplingParams, sample
 from .tokenizer import IncrementalDecoder, Tokenizer
 
@@ -152,7 +151,7 @@ class Engine:
         config = GemmaConfig.from_hf(ckpt.config)
         widths = [config.hidden_size, config.intermediate_size]
         widths.append(config.num_attention_heads * config.head_dim)
-        method, group_size = check_quantize(quantize, group_size, widths)
+        method, group_size = quant.check_quantize(quantize, group_size, widths)
         saved = ckpt.config.get(quant.CONFIG_KEY)
         if saved and method not in ("none", saved["method"]):
             raise InvalidRequestError(
@@ -207,11 +206,8 @@ class Engine:
         config = dict(self._source.config)
         config.pop(quant.CONFIG_KEY, None)
         if self.quantization is not None:
-            method, group = self.quantization
-            config[quant.CONFIG_KEY] = {
-                "method": method,
-                "group_size": group if method == "int4" else None,
-            }
+            method, group = self.quantization  # group is None for int8
+            config[quant.CONFIG_KEY] = {"method": method, "group_size": group}
         tmp = folder.with_name(f".{folder.name}.partial-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)

@@ -211,9 +211,6 @@ class Int4Linear(nn.Module):
         return w.view(*tokens.shape, self.in_features).to(self.dtype)
 
 
-QuantLinear = Int8Linear | Int4Linear
-
-
 def quantize_model(
     model: nn.Module, method: str, group_size: int | None, dtype: torch.dtype
 ) -> None:
