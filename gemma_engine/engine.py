@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import quant
+from . import cpu, quant
 from .config import AttentionType, GemmaConfig
 from .errors import InvalidRequestError, OutOfMemoryError
 from .loading import build_model, read_checkpoint, resolve
@@ -102,6 +102,7 @@ class Engine:
         self._source: Any = None  # the Checkpoint loaded, less its tensors (save_pretrained)
         self.overlap_steps = self.device.type == "cuda"  # see _token_stream
         if compile:
+            cpu.isolate_compile_cache()
             # One graph per bucket: kv_len is a Python int, so each new value compiles once.
             # Dynamo counts graphs per code object, shared by every engine in the process, so
             # the limit grows by this engine's buckets.
@@ -173,6 +174,10 @@ class Engine:
             else:
                 quantized = None
         del ckpt.tensors  # the model holds what it needs
+        if quantized is not None:
+            if device.type == "cpu":
+                quant.to_kernel_layout(net)
+            quant.warn_if_slow(quantized[0], device)
         net.setup_cache(max_seq_len)
         eos = set(config.eos_token_ids)
         gen_eos = ckpt.generation_config.get("eos_token_id")
@@ -243,7 +248,8 @@ class Engine:
         if not self.compile:
             return self.model(tokens, input_pos, kv_len)
         start = time.perf_counter()
-        logits = self._compiled(tokens, input_pos, kv_len)
+        with cpu.compile_config():
+            logits = self._compiled(tokens, input_pos, kv_len)
         self.compile_seconds.setdefault(kv_len, time.perf_counter() - start)  # first call compiles
         return logits
 
@@ -253,7 +259,8 @@ class Engine:
             end = min(start + PREFILL_CHUNK, len(ids))
             pos = torch.arange(start, end, device=self.device)
             hidden = self.model.hidden(tokens[:, start:end], pos, self.bucket_for(end))
-        return self._head(hidden)[:, -1]  # (1, vocab)
+        with cpu.compile_config():
+            return self._head(hidden)[:, -1]  # (1, vocab)
 
     def _token_stream(
         self, ids: list[int], max_new_tokens: int, params: SamplingParams, stats: dict[str, Any]

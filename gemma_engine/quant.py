@@ -6,30 +6,42 @@ the fly. A decode step is bound by the bytes of weights it reads (1.07 GB a toke
 
 - int8: one scale per output channel, symmetric: ``w = q * scale`` with q in [-127, 127].
 - int4: one scale and one offset per group of ``group_size`` input columns (affine):
-  ``w = q * scale + offset`` with q in [0, 15]; two 4-bit values share a byte. Scales and
-  offsets are float16, so a group of 32 costs 5 bits per weight.
+  ``w = q * scale + offset`` with q in [0, 15]. Scales and offsets are float16, so a group of
+  32 costs 5 bits per weight.
 
-Decode on CPU multiplies and reduces the quantized weights inside the compiled graph, where
-inductor fuses the expansion into one vectorized pass over the weight bytes; PyTorch's own
-packed kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``) measured 9-12x and 11-16x
-slower on the benchmark machine (BENCHMARKS.md). A prompt of many tokens expands each weight
-once per call and runs a dense matmul, which amortises the expansion over the tokens.
+Two layouts. The *saved* layout (what ``state_dict`` and safetensors hold) is the plain one:
+int8 rows (N, K), and for int4 two nibbles per byte, (N, K/2). The *kernel* layout, made once
+at load, packs the quantized values into int32 words and blocks the rows by the vector width
+``L`` of the CPU's capability (8 for AVX2, 16 for AVX-512): a weight matrix becomes words
+(N/L, K/4, L) for int8 (word c of row n holds columns 4c..4c+3) or (N/L, K/8, L) for int4
+(eight nibbles). Why: inductor vectorizes a reduction over int8 bytes with as many lanes as a
+float vector has, so each step loads 8 bytes into a 32-byte AVX2 register, which ATen's
+``Vectorized<int8_t>::loadu`` does through a temporary buffer and a store-forwarding stall
+(AVX-512 has masked loads instead): 4-15x slower than fp32 on AVX2 (BENCHMARKS.md). A full
+int32 load, bytes taken apart with native 32-bit shifts, and one activation broadcast against
+L output rows, vectorizes on both kinds, with no horizontal sums per row.
+
+Decode on CPU runs these products inside the compiled graph. A prompt of many tokens expands
+each weight once per call and runs a dense matmul, which amortises the expansion over the
+tokens.
 
 The embedding is quantized too (it is 63% of Gemma 3 270M's weights): a lookup expands only
 the rows it reads, and a tied output layer reuses the same quantized matrix. Under int4 the
 embedding and output layer are int8, as llama.cpp's Q4_K_M keeps its output layer in 8 bits for
 Gemma 3 270M: quantizing it to int4 as well added about 10 points of perplexity increase (42%
-against 32%, groups of 64), and inductor's int4 product is slower than its int8 one.
+against 32%, groups of 64).
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import cpu
 from .errors import InvalidRequestError
 from .model import one_token_on_cpu_compiled
 
@@ -37,6 +49,8 @@ METHODS = ("none", "int8", "int4")
 DEFAULT_GROUP_SIZE = 32
 QUANT_BUFFERS = (".scale", ".offset")  # stored in their own dtypes, never cast on load
 CONFIG_KEY = "gemma_engine_quantization"  # config.json entry of a saved quantized model
+# Capabilities whose quantized decode kernels are measured faster than fp32 (BENCHMARKS.md).
+FAST_CAPABILITIES = ("AVX2", "AVX512")
 
 
 def check_quantize(
@@ -48,15 +62,23 @@ def check_quantize(
         raise InvalidRequestError(f"quantize must be one of {', '.join(METHODS)}, got {method!r}")
     if group_size is not None and method != "int4":
         raise InvalidRequestError("group_size applies only to quantize='int4'")
+    bad = sorted({k for k in widths if k % 8})
+    if method != "none" and bad:
+        raise InvalidRequestError(
+            f"{method} needs layer widths that are multiples of 8; this model has "
+            f"{', '.join(map(str, bad))}"
+        )
     if method != "int4":
         return method, None
     if group_size is None:  # the default, or the largest power of two below it that fits
         group_size = DEFAULT_GROUP_SIZE
-        while group_size > 2 and any(k % (2 * group_size) for k in widths):
+        while group_size > 8 and any(k % (2 * group_size) for k in widths):
             group_size //= 2
-    if not isinstance(group_size, int) or group_size < 2 or group_size % 2:
-        raise InvalidRequestError(f"group_size must be an even number >= 2, got {group_size!r}")
-    # Each half of a row (see the packing below) must hold whole groups.
+    if not isinstance(group_size, int) or group_size < 8 or group_size % 8:
+        raise InvalidRequestError(
+            f"group_size must be a multiple of 8 (8, 16, 32, ...), got {group_size!r}"
+        )
+    # Each half of a saved row (see the packing below) must hold whole groups.
     bad = sorted({k for k in widths if k % (2 * group_size)})
     if bad:
         raise InvalidRequestError(
@@ -65,6 +87,27 @@ def check_quantize(
             "choose a smaller power of two such as 32"
         )
     return method, group_size
+
+
+_warned: set[str] = set()
+
+
+def warn_if_slow(method: str, device: torch.device) -> None:
+    """Say once, on stderr, when a quantized decode has no fast kernel on this device."""
+    if method == "none":
+        return
+    if device.type == "cpu" and cpu.capability() in FAST_CAPABILITIES:
+        return
+    where = f"CPU capability {cpu.capability()}" if device.type == "cpu" else device.type
+    if where in _warned:
+        return
+    _warned.add(where)
+    print(
+        f"gemma-engine: warning: {method} decode has no fast kernel on {where} (it expands "
+        "the weights at every step and may be slower than unquantized weights); "
+        "measure with and without --quantize",
+        file=sys.stderr,
+    )
 
 
 # -- int8 ----------------------------------------------------------------------------------
@@ -80,10 +123,43 @@ def dequantize_int8(q: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     return (q.float() * scale[:, None]).to(dtype)
 
 
+def block_int8(q: Tensor, lanes: int) -> Tensor:
+    """int8 (N, K) -> int32 words (ceil(N/L), K/4, L): the kernel layout; padded rows are 0."""
+    n, k = q.shape
+    q = F.pad(q, (0, 0, 0, -n % lanes))
+    words = q.contiguous().view(torch.int32)  # (N', K/4), bytes in memory order
+    return words.view(-1, lanes, k // 4).transpose(1, 2).contiguous()
+
+
+def unblock_int8(words: Tensor, n: int) -> Tensor:
+    """The inverse of ``block_int8``: int8 (N, K)."""
+    nb, kw, lanes = words.shape
+    rows = words.transpose(1, 2).reshape(nb * lanes, kw)[:n]
+    return rows.contiguous().view(torch.int8)
+
+
+def _byte(words: Tensor, j: int) -> Tensor:
+    """Byte j of each int32 word (little-endian), sign-extended: native 32-bit shifts."""
+    return words >> 24 if j == 3 else (words << (24 - 8 * j)) >> 24
+
+
+def matvec_int8(x: Tensor, words: Tensor, scale: Tensor) -> Tensor:
+    """x (..., K) @ W.T for one token, W in the kernel layout: one pass over the words.
+
+    For each word column c the four activations x[4c + j] are broadcast against L rows at
+    once, so the reduction runs down the columns with no horizontal sums.
+    """
+    nb, kw, lanes = words.shape
+    x4 = x.reshape(kw, 4).float()
+    acc = sum((x4[:, j, None] * _byte(words, j).float()).sum(1) for j in range(4))  # (nb, L)
+    n = scale.shape[0]
+    out = acc.reshape(nb * lanes)[:n] * scale
+    return out.to(x.dtype).view(*x.shape[:-1], n)
+
+
 # -- int4 ----------------------------------------------------------------------------------
-# Packing: byte (n, j) of an (N, K/2) matrix holds column j of row n in its low nibble and
-# column j + K/2 in its high nibble, so both halves of a row are contiguous runs that line up
-# with the two halves of the activation vector.
+# Saved packing: byte (n, j) of an (N, K/2) matrix holds column j of row n in its low nibble and
+# column j + K/2 in its high nibble.
 def quantize_int4(w: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
     """(N, K) float -> packed uint8 (N, K/2), fp16 scales and offsets (N, K/group_size).
 
@@ -120,28 +196,70 @@ def dequantize_int4(packed: Tensor, scale: Tensor, offset: Tensor, dtype: torch.
     return w.view(n, 2 * half).to(dtype)
 
 
-def matvec_int4(x: Tensor, packed: Tensor, scale: Tensor, offset: Tensor) -> Tensor:
-    """x (..., K) @ W.T for one token: the two nibbles of a byte multiply the two halves of x.
-
-    Written as two reductions over the same bytes, which inductor fuses into one loop; a
-    ``cat`` of the nibbles would be materialised first (measured: slower).
-    """
+def block_int4(
+    packed: Tensor, scale: Tensor, offset: Tensor, lanes: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Saved int4 -> kernel layout: words (N'/L, K/8, L), nibble j of word c = column 8c + j;
+    scales and offsets (N'/L, K/G, L)."""
     n, half = packed.shape
-    per_half = scale.shape[1] // 2
-    group = half // per_half
-    p = packed.view(n, per_half, group)
-    s = scale.float().view(n, 2, per_half, 1)
-    o = offset.float().view(n, 2, per_half, 1)
-    xg = x.reshape(2, per_half, group).float()
-    lo = (xg[0] * ((p & 15).float() * s[:, 0] + o[:, 0])).sum((-1, -2))
-    hi = (xg[1] * ((p >> 4).float() * s[:, 1] + o[:, 1])).sum((-1, -2))
-    return (lo + hi).to(x.dtype).view(*x.shape[:-1], n)
+    levels = torch.cat((packed & 15, packed >> 4), dim=1).to(torch.int32)  # (N, K)
+    levels = levels.view(n, -1, 8)
+    words = levels[..., 0].clone()
+    for j in range(1, 8):
+        words |= levels[..., j] << (4 * j)
+    pad = -n % lanes
+
+    def block(t: Tensor) -> Tensor:  # (N, C) -> (N'/L, C, L)
+        return F.pad(t, (0, 0, 0, pad)).view(-1, lanes, t.shape[1]).transpose(1, 2).contiguous()
+
+    return block(words), block(scale), block(offset)
+
+
+def unblock_int4(
+    words: Tensor, scale: Tensor, offset: Tensor, n: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The inverse of ``block_int4``: the saved (packed, scale, offset)."""
+
+    def rows(t: Tensor) -> Tensor:  # (N'/L, C, L) -> (N, C)
+        return t.transpose(1, 2).reshape(-1, t.shape[1])[:n].contiguous()
+
+    w = rows(words)
+    levels = torch.stack([(w >> (4 * j)) & 15 for j in range(8)], dim=-1).view(n, -1)
+    half = levels.shape[1] // 2
+    packed = (levels[:, :half] | (levels[:, half:] << 4)).to(torch.uint8)
+    return packed, rows(scale), rows(offset)
+
+
+def matvec_int4(x: Tensor, words: Tensor, scale: Tensor, offset: Tensor, n: int) -> Tensor:
+    """x (..., K) @ W.T for one token, W in the int4 kernel layout.
+
+    Per group g, sum_k x_k (q_k s_g + o_g) = s_g * sum_k x_k q_k + o_g * sum_k x_k: the inner
+    loop only widens nibbles and multiplies, and scales apply once per group. Nibbles come
+    out of int32 words (native shifts; AVX2 shifts bytes only by emulation).
+    """
+    nb, kw, lanes = words.shape
+    groups = scale.shape[1]
+    per = kw // groups  # words per group
+    x8 = x.reshape(groups, per, 8).float()
+    w = words.view(nb, groups, per, lanes)
+    dot = sum(
+        (x8[None, :, :, j, None] * ((w >> (4 * j)) & 15).float()).sum(2) for j in range(8)
+    )  # (nb, groups, L)
+    xsum = x8.sum((1, 2))[None, :, None]  # (1, groups, 1)
+    out = (scale.float() * dot + offset.float() * xsum).sum(1)  # (nb, L)
+    return out.reshape(nb * lanes)[:n].to(x.dtype).view(*x.shape[:-1], n)
 
 
 # -- modules -------------------------------------------------------------------------------
 @functools.cache
 def _cpu_bf16_matmul() -> bool:
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    # oneDNN asks the CPU itself, so the capability is checked too: a process lowered to AVX2
+    # must take the path an AVX2 machine takes.
+    return (
+        cpu.capability() == "AVX512"
+        and torch.backends.mkldnn.is_available()
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
 
 
 def _prompt_dtype(x: Tensor) -> torch.dtype:
@@ -156,37 +274,63 @@ def _prompt_dtype(x: Tensor) -> torch.dtype:
     return x.dtype
 
 
-class Int8Linear(nn.Module):
+class QuantizedLinear(nn.Module):
+    """Shared behaviour: the layout switch, saving in the plain layout, the prompt path."""
+
+    lanes: int | None = None  # None: the saved layout; else rows blocked by this many lanes
+
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.in_features, self.out_features, self.dtype = in_features, out_features, dtype
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.lanes is not None and one_token_on_cpu_compiled(x):
+            return self.matvec(x)
+        dtype = _prompt_dtype(x)
+        return F.linear(x.to(dtype), self.dequantize(dtype)).to(x.dtype)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        # Checkpoints always hold the plain layout, whatever this CPU's kernels use.
+        for name, tensor in self.saved_tensors().items():
+            destination[prefix + name] = tensor if keep_vars else tensor.detach()
+
+
+class Int8Linear(QuantizedLinear):
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype) -> None:
+        super().__init__(in_features, out_features, dtype)
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scale", torch.empty(out_features))
 
-    def forward(self, x: Tensor) -> Tensor:
-        if one_token_on_cpu_compiled(x):
-            return matvec_int8(x, self.weight, self.scale)
-        dtype = _prompt_dtype(x)
-        w = dequantize_int8(self.weight, self.scale, dtype)
-        return F.linear(x.to(dtype), w).to(x.dtype)
+    def to_kernel_layout(self, lanes: int) -> None:
+        self.weight = block_int8(self.weight, lanes)
+        self.lanes = lanes
+
+    def saved_tensors(self) -> dict[str, Tensor]:
+        q = self.weight if self.lanes is None else unblock_int8(self.weight, self.out_features)
+        return {"weight": q, "scale": self.scale}
+
+    def dequantize(self, dtype: torch.dtype) -> Tensor:
+        q = self.weight if self.lanes is None else unblock_int8(self.weight, self.out_features)
+        return dequantize_int8(q, self.scale, dtype)
+
+    def matvec(self, x: Tensor) -> Tensor:
+        return matvec_int8(x, self.weight, self.scale)
 
     def embed(self, tokens: Tensor) -> Tensor:
         """Rows of the matrix for ``tokens``: the lookup of a quantized embedding."""
-        return (self.weight[tokens].float() * self.scale[tokens][..., None]).to(self.dtype)
+        if self.lanes is None:
+            rows = self.weight[tokens]  # (..., K)
+        else:  # row t is column t % L of block t // L
+            words = self.weight[tokens // self.lanes, :, tokens % self.lanes]  # (..., K/4)
+            rows = words.contiguous().view(torch.int8)
+        return (rows.float() * self.scale[tokens][..., None]).to(self.dtype)
 
 
-def matvec_int8(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
-    """x (..., K) @ W.T for one token: int8 expanded and reduced in one fused pass."""
-    out = (x.reshape(-1, 1, q.shape[1]).float() * q.float()).sum(-1) * scale
-    return out.to(x.dtype).view(*x.shape[:-1], q.shape[0])
-
-
-class Int4Linear(nn.Module):
+class Int4Linear(QuantizedLinear):
     def __init__(
         self, in_features: int, out_features: int, group_size: int, dtype: torch.dtype
     ) -> None:
-        super().__init__()
-        self.in_features, self.out_features, self.dtype = in_features, out_features, dtype
+        super().__init__(in_features, out_features, dtype)
         groups = in_features // group_size
         self.register_buffer(
             "weight", torch.empty(out_features, in_features // 2, dtype=torch.uint8)
@@ -194,21 +338,26 @@ class Int4Linear(nn.Module):
         self.register_buffer("scale", torch.empty(out_features, groups, dtype=torch.float16))
         self.register_buffer("offset", torch.empty(out_features, groups, dtype=torch.float16))
 
-    def forward(self, x: Tensor) -> Tensor:
-        if one_token_on_cpu_compiled(x):
-            return matvec_int4(x, self.weight, self.scale, self.offset)
-        dtype = _prompt_dtype(x)
-        w = dequantize_int4(self.weight, self.scale, self.offset, dtype)
-        return F.linear(x.to(dtype), w).to(x.dtype)
+    def to_kernel_layout(self, lanes: int) -> None:
+        self.weight, self.scale, self.offset = block_int4(
+            self.weight, self.scale, self.offset, lanes
+        )
+        self.lanes = lanes
 
-    def embed(self, tokens: Tensor) -> Tensor:
-        """Rows of the matrix for ``tokens``: the lookup of a quantized embedding."""
-        rows = self.weight[tokens]  # (..., K/2)
-        w = torch.cat((rows & 15, rows >> 4), dim=-1).float()
-        groups = self.scale.shape[1]
-        w = w.view(*tokens.shape, groups, -1)
-        w = w * self.scale[tokens].float()[..., None] + self.offset[tokens].float()[..., None]
-        return w.view(*tokens.shape, self.in_features).to(self.dtype)
+    def saved_tensors(self) -> dict[str, Tensor]:
+        if self.lanes is None:
+            return {"weight": self.weight, "scale": self.scale, "offset": self.offset}
+        packed, scale, offset = unblock_int4(
+            self.weight, self.scale, self.offset, self.out_features
+        )
+        return {"weight": packed, "scale": scale, "offset": offset}
+
+    def dequantize(self, dtype: torch.dtype) -> Tensor:
+        t = self.saved_tensors()
+        return dequantize_int4(t["weight"], t["scale"], t["offset"], dtype)
+
+    def matvec(self, x: Tensor) -> Tensor:
+        return matvec_int4(x, self.weight, self.scale, self.offset, self.out_features)
 
 
 def quantize_model(
@@ -218,6 +367,7 @@ def quantize_model(
 
     Weights on the meta device give empty modules (to be filled by a strict state-dict load
     of a saved quantized checkpoint); real weights are quantized here, one layer at a time.
+    Either way the modules hold the saved layout until ``to_kernel_layout``.
     """
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -243,3 +393,11 @@ def quantize_model(
                 for buf, t in zip(names, tensors, strict=True):
                     setattr(new, buf, t)
             setattr(parent, name, new)
+
+
+def to_kernel_layout(model: nn.Module) -> None:
+    """Re-lay every quantized matrix for this process's decode kernels (see the top)."""
+    lanes = cpu.vector_lanes()
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear) and module.lanes is None:
+            module.to_kernel_layout(lanes)

@@ -120,7 +120,15 @@ def _cpu_flags() -> list[str]:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
                 flags = set(line.split(":", 1)[1].split())
-                wanted = ["avx2", "fma", "avx512f", "avx512_bf16", "avx_vnni", "amx_tile"]
+                wanted = [
+                    "avx2",
+                    "fma",
+                    "avx512f",
+                    "avx512_vnni",
+                    "avx512_bf16",
+                    "avx_vnni",
+                    "amx_tile",
+                ]
                 return [f for f in wanted if f in flags]
     except OSError:
         pass
@@ -178,6 +186,8 @@ def machine_info(device: str, threads: int | None) -> dict:
         "cpu_flags": _cpu_flags(),
         "cpu_count": os.cpu_count(),
         "torch_threads": threads,
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "lowered": {k: os.environ[k] for k in LOWERED_ENV_KEYS if k in os.environ},
         "mem_gib": _mem_total_gib(),
         "device": device,
         "python": platform.python_version(),
@@ -201,6 +211,10 @@ def machine_line(info: dict) -> str:
         parts.insert(0, info["gpu"])
     if info.get("torch_threads"):
         parts.append(f"torch threads {info['torch_threads']}")
+    if info.get("capability"):
+        lowered = info.get("lowered") or {}
+        how = ", ".join(f"{k}={v}" for k, v in lowered.items())
+        parts.append(f"PyTorch CPU capability {info['capability']}" + (f" ({how})" if how else ""))
     return "; ".join(parts)
 
 
@@ -293,6 +307,50 @@ def wait_for_quiet(max_wait: float, threshold: float = 0.2, probe: float = 3.0) 
             f"  waiting for a quiet machine: other processes use {busy:.2f} cores ...", flush=True
         )
         time.sleep(5)
+
+
+# --------------------------------------------------------------------------- capability
+
+# How a benchmark on an AVX-512 machine takes the code paths of an AVX2-only one (AMD Zen 2/3,
+# many cloud VMs): ATen's kernels and inductor's vectors by ATEN_CPU_CAPABILITY, GCC's own code
+# by -march=znver3 (what -march=native means on Zen 3: no AVX-512 instruction anywhere, Zen 3
+# tuning), MKL and oneDNN by their ISA caps, and an inductor cache of its own (see
+# gemma_engine/cpu.py). Memory bandwidth stays this machine's.
+LOWERED_ENV = {
+    "avx2": {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "TORCHINDUCTOR_CPP_MARCH": "znver3",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+    }
+}
+LOWERED_ENV_KEYS = sorted({k for env in LOWERED_ENV.values() for k in env})
+
+
+def reexec_lowered(capability: str, llama_cpp_path: str | None = None) -> None:
+    """Run this script again under ``capability`` ("native": as it is), once."""
+    env = dict(os.environ)
+    if llama_cpp_path:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [llama_cpp_path, env.get("PYTHONPATH")]))
+    if capability == "native" or os.environ.get("ATEN_CPU_CAPABILITY") == capability:
+        if llama_cpp_path and llama_cpp_path not in sys.path:
+            sys.path.insert(0, llama_cpp_path)
+            os.environ["PYTHONPATH"] = env["PYTHONPATH"]
+        return
+    env.update(LOWERED_ENV[capability])
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+def llama_cpp_build() -> str:
+    """Where llama_cpp comes from and which CPU features its ggml was built with."""
+    try:
+        import llama_cpp
+
+        info = llama_cpp.llama_print_system_info().decode()
+        feats = [f.split(" = ")[0].strip() for f in info.split("|") if f.strip().endswith("= 1")]
+        return f"{Path(llama_cpp.__file__).parent.parent} ({', '.join(feats)})"
+    except Exception as err:  # noqa: BLE001 - report, do not fail
+        return f"unavailable ({type(err).__name__})"
 
 
 # --------------------------------------------------------------------------- bandwidth

@@ -2,22 +2,30 @@
 weights is fastest. The matrix is Gemma 3 270M's output layer (262,144 x 640), the largest read
 of a decode step; random weights of that shape.
 
-    .venv/bin/python scripts/bench_kernels.py [--rows 262144] [--cols 640] [--repeats 20]
+    .venv/bin/python scripts/bench_kernels.py [--capability avx2] [--rows 262144] [--cols 640]
 
-Prints a Markdown table: median milliseconds per call and the weight bytes streamed per second.
+``--capability avx2`` runs the same kernels as an AVX2-only CPU would (see
+``_benchutil.LOWERED_ENV``). Prints the machine, the measured read bandwidth and a Markdown
+table: median milliseconds per call, the weight bytes streamed per second, and that as a share
+of the read bandwidth.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from gemma_engine import quant
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _benchutil as bu  # noqa: E402
+
+from gemma_engine import cpu, quant  # noqa: E402
 
 
 def median_ms(fn, *args, repeats: int) -> float:
@@ -31,21 +39,55 @@ def median_ms(fn, *args, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
+# The engine's kernels before the kernel layout (row-major bytes, git 5ef02a6), for comparison.
+def rowmajor_int8(x, q, scale):
+    out = (x.reshape(-1, 1, q.shape[1]).float() * q.float()).sum(-1) * scale
+    return out.to(x.dtype).view(*x.shape[:-1], q.shape[0])
+
+
+def rowmajor_int4(x, packed, scale, offset):
+    n, half = packed.shape
+    per_half = scale.shape[1] // 2
+    p = packed.view(n, per_half, half // per_half)
+    s = scale.float().view(n, 2, per_half, 1)
+    o = offset.float().view(n, 2, per_half, 1)
+    xg = x.reshape(2, per_half, -1).float()
+    lo = (xg[0] * ((p & 15).float() * s[:, 0] + o[:, 0])).sum((-1, -2))
+    hi = (xg[1] * ((p >> 4).float() * s[:, 1] + o[:, 1])).sum((-1, -2))
+    return (lo + hi).to(x.dtype).view(*x.shape[:-1], n)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--capability", choices=["native", "avx2"], default="native")
     p.add_argument("--rows", type=int, default=262_144)
     p.add_argument("--cols", type=int, default=640)
     p.add_argument("--group-size", type=int, default=32)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
+    bu.reexec_lowered(args.capability)
+    cpu.isolate_compile_cache()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     n, k = args.rows, args.cols
     w, x = torch.randn(n, k), torch.randn(1, 1, k)
     q8, s8 = quant.quantize_int8(w)
     q4 = quant.quantize_int4(w, args.group_size)
-    fused = lambda fn: torch.compile(fn, fullgraph=True, dynamic=False)  # noqa: E731
+    lanes = cpu.vector_lanes()
+    words8 = quant.block_int8(q8, lanes)
+    blocked4 = quant.block_int4(*q4, lanes)
+
+    def fused(fn):
+        compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+
+        def call(*a):
+            with cpu.compile_config():  # as the engine compiles its graphs
+                return compiled(*a)
+
+        return call
+
+    g = args.group_size
     rows = [
         ("fp32, `F.linear` (MKL GEMV)", "fp32", F.linear, (x, w)),
         (
@@ -54,11 +96,12 @@ def main() -> None:
             fused(lambda x, w: (x.unsqueeze(-2) * w).sum(-1)),
             (x, w),
         ),
+        ("int8, compiled, row-major bytes (before)", "int8", fused(rowmajor_int8), (x, q8, s8)),
         (
-            "int8, compiled `quant.matvec_int8` (the engine)",
+            f"int8, compiled, int32 words blocked by {lanes} rows (the engine)",
             "int8",
             fused(quant.matvec_int8),
-            (x, q8, s8),
+            (x, words8, s8),
         ),
         (
             "int8, `aten._weight_int8pack_mm`",
@@ -67,29 +110,30 @@ def main() -> None:
             (x.view(1, k), q8, s8),
         ),
         (
-            f"int4, compiled `quant.matvec_int4`, groups of {args.group_size} (the engine)",
+            f"int4 g{g}, compiled, row-major nibbles (before)",
             "int4",
-            fused(quant.matvec_int4),
+            fused(rowmajor_int4),
             (x, *q4),
+        ),
+        (
+            f"int4 g{g}, compiled, int32 words blocked by {lanes} rows (the engine)",
+            "int4",
+            fused(lambda x, *t: quant.matvec_int4(x, *t, n)),
+            (x, *blocked4),
         ),
     ]
     # PyTorch's packed int4 kernel (groups of 32-256 only), from the same 4-bit values.
     packed, scale, offset = q4
     levels = torch.cat((packed & 15, packed >> 4), dim=1).to(torch.int32)
-    int4pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 1)
-    scales_zeros = torch.stack((scale.float(), offset.float() + 8 * scale.float()), -1)
-    if args.group_size in (32, 64, 128, 256):
+    if g in (32, 64, 128, 256):
+        int4pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 1)
+        scales_zeros = torch.stack((scale.float(), offset.float() + 8 * scale.float()), -1)
         rows.append(
             (
-                f"int4, `aten._weight_int4pack_mm_for_cpu`, groups of {args.group_size}",
+                f"int4 g{g}, `aten._weight_int4pack_mm_for_cpu`",
                 "int4",
                 torch.ops.aten._weight_int4pack_mm_for_cpu,
-                (
-                    x.view(1, k),
-                    int4pack,
-                    args.group_size,
-                    scales_zeros.transpose(0, 1).contiguous(),
-                ),
+                (x.view(1, k), int4pack, g, scales_zeros.transpose(0, 1).contiguous()),
             )
         )
     with warnings.catch_warnings():
@@ -103,7 +147,14 @@ def main() -> None:
         ("int8 weights and activations, fbgemm `quantize_dynamic`", "int8", dyn, (x.view(1, k),))
     )
 
-    print(f"Matrix {n} x {k}, one token, {args.threads} threads, torch {torch.__version__}\n")
+    info = bu.machine_info("cpu", args.threads)
+    bw = bu.measure_bandwidth("cpu")
+    print(f"Machine: {bu.machine_line(info)}; {info['date_utc']}")
+    print(f"Versions: torch {torch.__version__}, gemma-engine git {info['git']}")
+    print(
+        f"Read bandwidth (sum over 1 GiB, median of {bw['repeats']}): {bw['read_gbs']:.1f} GB/s\n"
+    )
+    print(f"Matrix {n} x {k}, one token, {args.threads} threads\n")
     # Each kernel's answer against the product with its own weights expanded to fp32.
     expect = {
         "fp32": F.linear(x, w),
@@ -111,15 +162,18 @@ def main() -> None:
         "int4": F.linear(x, quant.dequantize_int4(*q4, torch.float32)),
     }
     # Weight bytes per weight: int4 adds a float16 scale and offset per group.
-    size = {"fp32": 4, "int8": 1, "int4": 0.5 + 4 / args.group_size}
-    print("| kernel | ms per call | weight GB/s | max error / max value |")
-    print("| --- | ---: | ---: | ---: |")
+    size = {"fp32": 4, "int8": 1, "int4": 0.5 + 4 / g}
+    print(
+        "| kernel | ms per call | weight GB/s | share of read bandwidth | max error / max value |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: |")
     for label, fmt, fn, fn_args in rows:
         ms = median_ms(fn, *fn_args, repeats=args.repeats)
         ref = expect[fmt].flatten()
         err = (fn(*fn_args).flatten() - ref).abs().max() / ref.abs().max()
         gbs = n * k * size[fmt] / ms / 1e6
-        print(f"| {label} | {ms:.2f} | {gbs:.1f} | {err:.1e} |", flush=True)
+        share = gbs / bw["read_gbs"]
+        print(f"| {label} | {ms:.2f} | {gbs:.1f} | {share:.0%} | {err:.1e} |", flush=True)
 
 
 if __name__ == "__main__":

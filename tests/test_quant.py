@@ -8,11 +8,15 @@ saved and reloaded).
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from gemma_engine import Engine, InvalidRequestError, quant
+from gemma_engine import Engine, InvalidRequestError, cpu, quant
 from gemma_engine.cli import main as cli_main
 
 KIND = "gemma3"  # MQA, QK-norm, sliding and global layers
@@ -35,13 +39,8 @@ def dequantized_reference(engine: Engine, reference):
     ref = copy.deepcopy(reference)
     state = {}
     for name, module in engine.model.named_modules():
-        if isinstance(module, quant.Int8Linear):
-            w = quant.dequantize_int8(module.weight, module.scale, torch.float32)
-        elif isinstance(module, quant.Int4Linear):
-            w = quant.dequantize_int4(module.weight, module.scale, module.offset, torch.float32)
-        else:
-            continue
-        state[f"{name}.weight"] = w
+        if isinstance(module, quant.QuantizedLinear):
+            state[f"{name}.weight"] = module.dequantize(torch.float32)
     missing = ref.load_state_dict(state, strict=False)
     quantized = {k for k in state}
     assert not [k for k in missing.unexpected_keys]
@@ -73,17 +72,26 @@ def test_int8_round_trip_error_is_at_most_half_a_step():
     assert ((back - w).abs() <= 0.5 * scale[:, None] * (1 + 1e-5)).all()
 
 
-def test_compiled_matvecs_match_the_dequantized_product():
+@pytest.mark.parametrize("lanes", [8, 16])
+@pytest.mark.parametrize("rows", [300, 64])  # 300: a last block of padded rows
+def test_compiled_matvecs_match_the_dequantized_product(lanes, rows):
+    """The decode kernels on the kernel layout, against the product with expanded weights."""
     torch.manual_seed(0)
-    w, x = torch.randn(300, 256), torch.randn(1, 1, 256)
+    w, x = torch.randn(rows, 256), torch.randn(1, 1, 256)
     q8 = quant.quantize_int8(w)
     q4 = quant.quantize_int4(w, 32)
     expect8 = x @ quant.dequantize_int8(*q8, torch.float32).T
     expect4 = x @ quant.dequantize_int4(*q4, torch.float32).T
-    got8 = torch.compile(quant.matvec_int8, fullgraph=True)(x, *q8)
-    got4 = torch.compile(quant.matvec_int4, fullgraph=True)(x, *q4)
+    words8 = quant.block_int8(q8[0], lanes)
+    blocked4 = quant.block_int4(*q4, lanes)
+    got8 = torch.compile(quant.matvec_int8, fullgraph=True)(x, words8, q8[1])
+    got4 = torch.compile(quant.matvec_int4, fullgraph=True)(x, *blocked4, rows)
     torch.testing.assert_close(got8, expect8, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(got4, expect4, atol=1e-4, rtol=1e-5)
+    # The layouts are lossless: saved tensors come back bit for bit.
+    assert torch.equal(quant.unblock_int8(words8, rows), q8[0])
+    for a, b in zip(quant.unblock_int4(*blocked4, rows), q4, strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +187,7 @@ def test_save_unquantized_round_trips(tiny_checkpoints, tmp_path):
     [
         (dict(quantize="int3"), "quantize must be one of none, int8, int4"),
         (dict(quantize="int8", group_size=32), "group_size applies only"),
-        (dict(quantize="int4", group_size=7), "even number"),
+        (dict(quantize="int4", group_size=7), "multiple of 8"),
         (dict(quantize="int4", group_size=64), "multiple of 2 x group_size"),
     ],
 )
@@ -216,3 +224,56 @@ def test_cli_quantize(tiny_checkpoints, capsys):
         cli_main(["--model", str(folder), "--prompt", "x", "--quantize", "int5"])
     assert exit_info.value.code == 2
     assert "invalid choice: 'int5'" in capsys.readouterr().err
+
+
+def test_kernel_layout_follows_the_capability(quantized):
+    """Quantized matrices are blocked by the vector width of the capability in effect."""
+    expected = os.environ.get("GEMMA_TEST_CAPABILITY", cpu.capability())
+    assert cpu.capability() == expected  # a lowered run really runs lowered
+    engine, _ = quantized["int8"]
+    lanes = {m.lanes for m in engine.model.modules() if isinstance(m, quant.QuantizedLinear)}
+    assert lanes == {cpu.vector_lanes()} == {16 if expected == "AVX512" else 8}
+
+
+def test_under_a_lower_capability(tmp_path):
+    """Every test above again, in a process whose kernels are one capability lower.
+
+    On an AVX-512 machine that is AVX2 (the path of Zen 2/3 and many cloud CPUs), on an AVX2
+    machine the scalar fallback: a kernel taken only on one kind of CPU is still checked on
+    every machine. The child gets its own inductor cache (see cpu.isolate_compile_cache).
+    """
+    lower = "AVX2" if cpu.capability() == "AVX512" else "DEFAULT"
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    env = dict(
+        os.environ,
+        ATEN_CPU_CAPABILITY=lower.lower(),
+        GEMMA_TEST_CAPABILITY=lower,
+        TORCHINDUCTOR_CACHE_DIR=f"{default_cache_dir()}_{lower.lower()}",
+    )
+    if lower == "AVX2":  # AVX2 code only, as GCC emits it on Zen 3 (-march=native there)
+        env["TORCHINDUCTOR_CPP_MARCH"] = "znver3"
+        env["TORCHINDUCTOR_CACHE_DIR"] += "_znver3"
+    this = Path(__file__)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            str(this),
+            "-k",
+            "not under_a_lower_capability and not cli",
+            "--basetemp",
+            str(tmp_path / "t"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=this.parent.parent,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout

@@ -1,0 +1,76 @@
+"""What this process's CPU runs: PyTorch's kernel capability and inductor's vector width.
+
+PyTorch picks its CPU kernels once per process from the CPU's instruction sets ("AVX2",
+"AVX512", ...), and ``ATEN_CPU_CAPABILITY=avx2`` lowers that choice for ATen and for inductor's
+generated code alike, which lets one machine check the paths another kind of CPU takes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import platform
+
+import torch
+
+# int32 lanes of inductor's vectors per capability (its VecAVX2 is 256 bits, VecAVX512 512).
+# Elsewhere (NEON, SVE, scalar) 8 is a reasonable block; only the two x86 kinds are measured.
+_LANES = {"AVX512": 16, "AVX2": 8}
+
+
+@functools.cache
+def capability() -> str:
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def vector_lanes() -> int:
+    """32-bit lanes in one of inductor's CPU vectors under this process's capability."""
+    return _LANES.get(capability(), 8)
+
+
+def isolate_compile_cache() -> None:
+    """Give a lowered capability its own TorchInductor cache folder.
+
+    TorchInductor's on-disk graph cache does not key on the capability (torch 2.13): a graph
+    generated for 8-lane AVX2 vectors and found again in a full-AVX-512 process is rebuilt
+    with 16-lane vectors under loops that step by 8, and writes past its buffers (seen here as
+    heap corruption at exit). A process that sets ``ATEN_CPU_CAPABILITY`` without its own
+    ``TORCHINDUCTOR_CACHE_DIR`` therefore gets a sibling folder named after the capability.
+    """
+    if "ATEN_CPU_CAPABILITY" not in os.environ or "TORCHINDUCTOR_CACHE_DIR" in os.environ:
+        return
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default_cache_dir()}_{capability().lower()}"
+
+
+@functools.cache
+def _gcc_12_or_newer() -> bool:
+    from torch._inductor import cpp_builder
+
+    try:
+        return cpp_builder.is_gcc() and not cpp_builder._is_gcc_version_less_than(
+            cpp_builder.get_cpp_compiler(), 12
+        )
+    except Exception:  # no compiler found: inductor will say so itself when it compiles
+        return False
+
+
+def compile_config() -> contextlib.AbstractContextManager:
+    """Inductor settings for the engine's graphs, entered around every compiled call.
+
+    Under AVX2, ATen's ``Vectorized<int32_t>::loadu(ptr, count)`` (which inductor emits for
+    every integer load) copies through a 32-byte stack buffer. GCC removes that buffer only
+    if it expands the copy as one 256-bit move; its default tuning for AVX2 CPUs moves 128
+    bits at a time, and the two half stores then stall the full load (store forwarding
+    fails): the quantized decode kernels ran 3-4x slower (BENCHMARKS.md). ``-mmove-max=256``
+    (GCC 12+) lets it use whole vectors. Entered per call, it changes only these graphs.
+    """
+    cfg = torch._inductor.config.cpp
+    if capability() != "AVX2" or platform.machine() not in ("x86_64", "AMD64"):
+        return contextlib.nullcontext()
+    if "move-max" in (cfg.march or "") or not _gcc_12_or_newer():
+        return contextlib.nullcontext()
+    march = f"{cfg.march or 'native'} -mmove-max=256 -mstore-max=256"
+    return torch._inductor.config.patch({"cpp.march": march})
