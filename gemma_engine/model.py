@@ -30,6 +30,19 @@ def linear(x: Tensor, weight: Tensor) -> Tensor:
     return F.linear(x, weight)
 
 
+def matmul(a: Tensor, b: Tensor, fused: bool) -> Tensor:
+    """a (..., M, K) @ b (..., K, N); ``fused``: as one multiply-reduce inside the graph.
+
+    A decode step's attention products are tiny batched matrix products (a few query rows
+    against one head's keys), for which a ``bmm`` call costs more in dispatch than in
+    arithmetic (4.6 ms of a 20 ms step, BENCHMARKS.md); inductor fuses the reduction form
+    with the mask and the softmax around it.
+    """
+    if fused:
+        return (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2)  # (..., M, K, 1) * (..., 1, K, N)
+    return torch.matmul(a, b)
+
+
 class Linear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         return linear(x, self.weight)
@@ -191,12 +204,14 @@ class Attention(nn.Module):
         # Grouped heads share a key head: fold the group into the query length, no repeat.
         group = self.n_heads // self.n_kv
         q = q.reshape(B, self.n_kv, group * T, self.head_dim)  # (B, KV, G*T, D)
-        scores = torch.matmul(q, keys.transpose(2, 3)) * self.scaling  # (B, KV, G*T, S)
+        fused = one_token_on_cpu_compiled(x)  # products as fused reductions, as in linear()
+        scores = matmul(q, keys.transpose(2, 3), fused) * self.scaling  # (B, KV, G*T, S)
         if (cap := self.config.attn_logit_softcapping) is not None:
             scores = torch.tanh(scores / cap) * cap  # Gemma 2 caps before masking
         scores = scores.view(B, self.n_kv, group, T, -1).masked_fill(~mask, float("-inf"))
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.matmul(probs.view(B, self.n_kv, group * T, -1), values)  # (B, KV, G*T, D)
+        probs = probs.view(B, self.n_kv, group * T, -1)
+        out = matmul(probs, values, fused)  # (B, KV, G*T, D)
         out = out.view(B, self.n_heads, T, self.head_dim).transpose(1, 2)  # (B, T, H, D)
         return self.o_proj(out.reshape(B, T, self.n_heads * self.head_dim))
 

@@ -767,6 +767,17 @@ def parse_args(argv):
     p.add_argument("--dtype", default=None, help="default: the engine's; float32 on CPU for HF")
     p.add_argument("--threads", type=int, default=2, help="torch/llama.cpp CPU threads")
     p.add_argument(
+        "--capability",
+        choices=["native", "avx2"],
+        default="native",
+        help="avx2: take an AVX2-only CPU's code paths on this machine (_benchutil.LOWERED_ENV)",
+    )
+    p.add_argument(
+        "--llama-cpp-path",
+        default=None,
+        help="a folder holding the llama_cpp package to use (e.g. a build for --capability)",
+    )
+    p.add_argument(
         "--contexts",
         default="128,1024,4096,8192,16384",
         help="comma-separated context lengths for the decode figures",
@@ -826,6 +837,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker_main(args)
+    if argv is None:  # a lowered capability applies to every process of the run
+        bu.reexec_lowered(args.capability, args.llama_cpp_path)
     if args.replot:
         plot(json.loads(args.replot.read_text()), args)
         return 0
@@ -840,6 +853,8 @@ def main(argv=None) -> int:
             raise SystemExit(f"unknown contestant {n!r}; choose from {', '.join(CONTESTANTS)}")
     max_ctx = max(max(contexts), args.prompt_tokens + args.gen_tokens)
     info = bu.machine_info(args.device, args.threads)
+    if any(n.startswith("llama.cpp") for n in names):
+        info["llama_cpp_build"] = bu.llama_cpp_build()
     print(f"machine: {bu.machine_line(info)}\nversions: {bu.versions_line(info)}", flush=True)
 
     gguf = args.gguf
@@ -953,6 +968,8 @@ def render(run: dict, args) -> str:
     L.append(f"- Command: `{run['command']}` (total {run['total_s'] / 60:.1f} min)")
     L.append(f"- Machine: {bu.machine_line(m)}")
     L.append(f"- Versions: {bu.versions_line(m)}")
+    if m.get("llama_cpp_build"):
+        L.append(f"- llama.cpp build: {m['llama_cpp_build']}")
     L.append(
         f"- Memory bandwidth in this run: read {bw['start']['read_gbs']:.1f} GB/s at the start, "
         f"{bw['end']['read_gbs']:.1f} GB/s at the end (`sum` of a 1 GiB fp32 tensor, median "
@@ -1128,8 +1145,14 @@ def render(run: dict, args) -> str:
     return "\n".join(L).replace(str(bu.REPO) + os.sep, "") + "\n"
 
 
-def _plot_names(device: str, args) -> tuple[Path, Path]:
+def _tag(device: str, args) -> str:
+    """docs/ file names: the device, and a lowered capability (avx2) when one was asked for."""
     tag = "cuda" if device.startswith("cuda") else "cpu"
+    return tag if getattr(args, "capability", "native") == "native" else f"{tag}_{args.capability}"
+
+
+def _plot_names(device: str, args) -> tuple[Path, Path]:
+    tag = _tag(device, args)
     return (
         args.docs / f"bench_decode_{tag}.png",
         args.docs / f"bench_bucket_speedup_{tag}.png",
@@ -1204,7 +1227,7 @@ def plot(run: dict, args) -> None:
 
 
 def write_outputs(run: dict, section: str, args) -> None:
-    tag = "cuda" if run["machine"]["device"].startswith("cuda") else "cpu"
+    tag = _tag(run["machine"]["device"], args)
     bu.atomic_write_json(args.docs / f"bench_{tag}.json", run)
     plot(run, args)
     bu.append_section(args.out, section)

@@ -1,18 +1,24 @@
 """Profile one compiled decode step of the default model: where a token's time goes.
 
-.venv/bin/python scripts/profile_decode.py [--context 512] [--steps 10] [--no-compile]
+.venv/bin/python scripts/profile_decode.py [--context 512] [--steps 10] [--quantize int8]
+    [--capability avx2] [--kernels] [--no-compile]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from gemma_engine import Engine
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _benchutil as bu  # noqa: E402
+
+from gemma_engine import Engine  # noqa: E402
 
 
 def main() -> None:
@@ -23,10 +29,12 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=8, help="rows of the profile table")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--quantize", default=None, help="none, int8 or int4")
+    parser.add_argument("--capability", choices=["native", "avx2"], default="native")
     parser.add_argument(
         "--kernels", action="store_true", help="time each inductor kernel (slows the step)"
     )
     args = parser.parse_args()
+    bu.reexec_lowered(args.capability)
     torch.set_num_threads(2)
     if args.kernels:
         torch._inductor.config.cpp.enable_kernel_profile = True
