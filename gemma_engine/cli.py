@@ -50,13 +50,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--chat",
         action="store_true",
-        help="wrap the prompt in Gemma's chat turn template; stop at <end_of_turn>",
+        help="wrap the prompt in the model's chat turn template (Gemma 4's <|turn> markers, "
+        "or <start_of_turn> for Gemma 1-3n); stop at the end of the turn",
     )
+    p.add_argument("--system", help="a system prompt for --chat")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.system is not None and not args.chat:
+        _parser().error("--system needs --chat")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     printed = False
     try:
@@ -72,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             quantize=args.quantize,
             group_size=args.group_size,
         )
-        request = engine.chat_prompt(prompt) if args.chat else prompt
+        request = engine.chat_prompt(prompt, system=args.system) if args.chat else prompt
         start = time.perf_counter()
         first = None
         run = engine.stream(

@@ -113,8 +113,9 @@ class Engine:
                 dynamo.accumulated_recompile_limit, Engine._graphs_allowed
             )
             for layer in model.model.layers:  # CUDA graphs may keep these addresses fixed
-                torch._dynamo.mark_static_address(layer.self_attn.cache.k)
-                torch._dynamo.mark_static_address(layer.self_attn.cache.v)
+                if (cache := layer.self_attn.cache) is not None:  # KV-shared layers have none
+                    torch._dynamo.mark_static_address(cache.k)
+                    torch._dynamo.mark_static_address(cache.v)
             self._compiled = torch.compile(
                 model, mode="reduce-overhead", fullgraph=True, dynamic=False
             )
@@ -150,9 +151,12 @@ class Engine:
         dtype = parse_dtype(dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32))
         ckpt = read_checkpoint(resolve(model), dtype)
         config = GemmaConfig.from_hf(ckpt.config)
-        widths = [config.hidden_size, config.intermediate_size]
-        widths.append(config.num_attention_heads * config.head_dim)
-        method, group_size = quant.check_quantize(quantize, group_size, widths)
+        with torch.device("meta"):  # the layers quantization would replace, with no weights
+            skeleton = GemmaForCausalLM(config)
+        method, group_size = quant.check_quantize(
+            quantize, group_size, quant.input_widths(skeleton)
+        )
+        quant.check_supported(skeleton, method)
         saved = ckpt.config.get(quant.CONFIG_KEY)
         if saved and method not in ("none", saved["method"]):
             raise InvalidRequestError(
@@ -184,8 +188,9 @@ class Engine:
         eos.update(
             gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []
         )
-        if tokenizer.has_piece("<end_of_turn>"):  # a finished turn ends the text, as in HF
-            eos.add(tokenizer.special_id("<end_of_turn>"))
+        for end in ("<end_of_turn>", "<turn|>"):  # a finished turn ends the text, as in HF
+            if tokenizer.has_piece(end):
+                eos.add(tokenizer.special_id(end))
         engine = cls(
             net,
             tokenizer,
@@ -222,7 +227,7 @@ class Engine:
             (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
             gen = self._source.generation_config
             (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-            (tmp / "tokenizer.model").write_bytes(self.tokenizer.sp.serialized_model_proto())
+            self.tokenizer.save(tmp)
             tmp.rename(folder)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -346,22 +351,36 @@ class Engine:
             logits = self.model(tokens, pos, self.bucket_for(len(ids)), all_logits=True)
         return logits[0].float().cpu()
 
-    def chat_prompt(self, message: str) -> list[int]:
-        """Token ids of ``message`` as a user turn of Gemma's chat template, ready for a reply.
+    def chat_prompt(self, message: str, system: str | None = None) -> list[int]:
+        """Token ids of ``message`` as a user turn of the model's chat template, ready for a reply.
 
-        The turn markers are inserted by id, never parsed out of the text, so user text cannot
-        open or close a turn.
+        Gemma 4 has its own turn markers and a system role; Gemma 1-3n put a system prompt at
+        the start of the first user turn, as their templates do. The turn markers are inserted
+        by id, never parsed out of the text, so user text cannot open or close a turn.
         """
         tok = self.tokenizer
-        start, end = tok.special_id("<start_of_turn>"), tok.special_id("<end_of_turn>")
+
+        def text(s: str) -> list[int]:
+            return tok.encode(s, add_bos=False)
+
+        system_turn: list[int] = []
+        if self.config.model_type == "gemma4_text":
+            start, end = tok.special_id("<|turn>"), tok.special_id("<turn|>")
+            if system is not None:
+                system_turn = [start, *text(f"system\n{system}"), end, *text("\n")]
+        else:
+            start, end = tok.special_id("<start_of_turn>"), tok.special_id("<end_of_turn>")
+            if system is not None:
+                message = f"{system}\n\n{message}"
         return [
             tok.bos_id,
+            *system_turn,
             start,
-            *tok.encode(f"user\n{message}", add_bos=False),
+            *text(f"user\n{message}"),
             end,
-            *tok.encode("\n", add_bos=False),
+            *text("\n"),
             start,
-            *tok.encode("model\n", add_bos=False),
+            *text("model\n"),
         ]
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
@@ -492,11 +511,12 @@ def _check_cache_fits(
     config: GemmaConfig, max_seq_len: int, dtype: torch.dtype, device: torch.device
 ) -> None:
     window = config.sliding_window or max_seq_len
-    slots = sum(
-        min(window, max_seq_len) if t is AttentionType.SLIDING else max_seq_len
-        for t in config.layer_types
-    )
-    need = 2 * slots * config.num_key_value_heads * config.head_dim * dtype.itemsize
+    need = 0
+    for i, (spec, kind) in enumerate(zip(config.layers, config.layer_types, strict=True)):
+        if spec.kv_source != i:  # a KV-shared layer reads another layer's cache
+            continue
+        slots = min(window, max_seq_len) if kind is AttentionType.SLIDING else max_seq_len
+        need += 2 * slots * spec.num_key_value_heads * spec.head_dim * dtype.itemsize
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
     else:

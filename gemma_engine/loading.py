@@ -22,22 +22,32 @@ _HUB_FILES = [
     "config.json",
     "generation_config.json",
     "tokenizer.model",
+    "tokenizer.json",  # Gemma 4 ships no tokenizer.model
+    "tokenizer_config.json",
     "*.safetensors",
     "model.safetensors.index.json",
 ]
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-# Multimodal Gemma 3 checkpoints nest the text model; these prefixes map back onto ours.
+# Multimodal Gemma 3/3n/4 checkpoints nest the text model; these prefixes map back onto ours.
 _TEXT_PREFIXES = {
     "model.language_model.": "model.",
     "language_model.model.": "model.",
     "language_model.lm_head.": "lm_head.",
 }
+# Their image and audio towers, and the embedders that feed those into the text model, are
+# skipped: the engine runs text only.
 _SKIPPED_PREFIXES = (
     "vision_tower.",
     "multi_modal_projector.",
-    "model.vision_tower.",
-    "model.multi_modal_projector.",
+    "model.vision_tower.",  # Gemma 3, 3n, 4
+    "model.multi_modal_projector.",  # Gemma 3
+    "model.audio_tower.",  # Gemma 3n, 4 (E2B, E4B)
+    "model.embed_vision.",  # Gemma 3n, 4
+    "model.embed_audio.",  # Gemma 3n, 4
 )
+# A KV-shared layer (Gemma 3n/4) computes no keys or values, but checkpoints still hold these;
+# transformers ignores them too.
+_UNUSED_BY_KV_SHARED_LAYERS = ("k_proj", "v_proj", "k_norm", "v_norm")
 
 
 @dataclass
@@ -120,9 +130,13 @@ def read_checkpoint(path: Path, dtype: torch.dtype) -> Checkpoint:
         config = json.loads(config_file.read_text())
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{config_file} is not valid JSON: {err}") from None
-    tokenizer = path / "tokenizer.model"
+    tokenizer = path / "tokenizer.model"  # SentencePiece; Gemma 4 ships tokenizer.json only
     if not tokenizer.is_file():
-        raise CheckpointNotFoundError(f"{path} has no tokenizer.model (the SentencePiece model)")
+        tokenizer = path / "tokenizer.json"
+    if not tokenizer.is_file():
+        raise CheckpointNotFoundError(
+            f"{path} has no tokenizer.model (SentencePiece) or tokenizer.json (Hugging Face)"
+        )
     gen_file = path / "generation_config.json"
     gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
     return Checkpoint(config, _read_safetensors(path, dtype), tokenizer, gen)
@@ -151,25 +165,39 @@ def _read_safetensors(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tenso
         try:
             with safe_open(file, framework="pt") as f:  # memory-mapped: no copy when dtypes match
                 for name in f.keys():
-                    tensor = f.get_tensor(name)
-                    # Quantized weights and their scales keep their own dtypes.
-                    tensors[name] = (
-                        tensor.to(dtype)
-                        if tensor.dtype.is_floating_point and (not name.endswith(QUANT_BUFFERS))
-                        else tensor
-                    )
+                    tensors[name] = f.get_tensor(name)
         except SafetensorError as err:
             raise CheckpointError(
                 f"{file} is not a valid safetensors file ({err}); it may be truncated: "
                 "download or convert it again"
             ) from None
+    for name, tensor in tensors.items():
+        if tensor.dtype.is_floating_point and not _is_quant_buffer(name, tensors):
+            tensors[name] = tensor.to(dtype)
     return tensors
+
+
+def _is_quant_buffer(name: str, tensors: dict[str, torch.Tensor]) -> bool:
+    """A quantized weight's scale or offset, which keeps its own dtype (Gemma 4's router.scale,
+    a float weight of its own, does not qualify: it has no integer .weight beside it)."""
+    for suffix in QUANT_BUFFERS:
+        if name.endswith(suffix):
+            weight = tensors.get(name[: -len(suffix)] + ".weight")
+            return weight is not None and not weight.dtype.is_floating_point
+    return False
 
 
 def text_state_dict(
     tensors: dict[str, torch.Tensor], config: GemmaConfig
 ) -> dict[str, torch.Tensor]:
-    """Map the text model's tensors onto our (Hugging Face) names; drop vision tensors."""
+    """Map the text model's tensors onto our (Hugging Face) names; drop what the text model
+    does not use: vision and audio tensors, and the keys and values of KV-shared layers."""
+    unused = tuple(
+        f"model.layers.{i}.self_attn.{part}."
+        for i, spec in enumerate(config.layers)
+        if spec.kv_source != i
+        for part in _UNUSED_BY_KV_SHARED_LAYERS
+    )
     out = {}
     for name, tensor in tensors.items():
         if name.startswith(_SKIPPED_PREFIXES):
@@ -178,6 +206,8 @@ def text_state_dict(
             if name.startswith(prefix):
                 name = ours + name[len(prefix) :]
                 break
+        if unused and name.startswith(unused):
+            continue
         out[name] = tensor
     if config.tie_word_embeddings:
         out.pop("lm_head.weight", None)  # a tied head is the embedding; some exports repeat it

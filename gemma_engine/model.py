@@ -1,13 +1,22 @@
-"""Gemma 1, 2 and 3 text models in one file, with a preallocated, bucket-read KV cache.
+"""Gemma 1, 2, 3, 3n and 4 text models in one file, with a preallocated, bucket-read KV cache.
 
 The whole contract is ``GemmaForCausalLM.forward(tokens, input_pos, kv_len) -> logits``:
 ``tokens`` (B, T) are written into the cache at the positions ``input_pos`` (T,), and attention
 reads only the first ``kv_len`` cache slots, a Python int the engine rounds up to a bucket so
 that a compiled graph serves every length in its bucket. Parameter names are Hugging Face's, so
 checkpoints load with no renaming.
+
+Generations differ by config fields on the same modules (see config.py). Only new maths has its
+own class: the mixture of experts (Router, Experts) of Gemma 4, and AltUp and LAuReL of Gemma
+3n. Per-layer embeddings (3n, 4) keep their tensors where transformers names them, three on the
+model and three on each layer, so they are a method of each (``per_layer_inputs``,
+``DecoderLayer.per_layer_term``).
 """
 
 from __future__ import annotations
+
+import math
+from statistics import NormalDist
 
 import torch
 import torch.nn.functional as F
@@ -43,28 +52,51 @@ def matmul(a: Tensor, b: Tensor, fused: bool) -> Tensor:
     return torch.matmul(a, b)
 
 
+def batched_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """x (..., K) times each row's own matrix weight (..., N, K) -> (..., N): gathered experts.
+
+    In a compiled CPU graph a fused multiply-reduce, as ``linear``, that reads the gathered
+    rows in place; elsewhere a batched matmul over a copy of them (a few tokens' worth).
+    """
+    if x.device.type == "cpu" and torch.compiler.is_compiling():
+        return (x.unsqueeze(-2) * weight).sum(-1)  # (..., 1, K) * (..., N, K) -> (..., N)
+    return torch.matmul(weight, x.unsqueeze(-1)).squeeze(-1)
+
+
+def lookup(table: nn.Module, tokens: Tensor) -> Tensor:
+    """Rows of an embedding table, float or quantized (see quant.py)."""
+    return table(tokens) if isinstance(table, nn.Embedding) else table.embed(tokens)
+
+
 class Linear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         return linear(x, self.weight)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, config: GemmaConfig, scale: bool = True) -> None:
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps, self.offset = config.rms_norm_eps, config.norm_offset
+        # Gemma 3n/4's value and router norms have no weight at all.
+        self.weight = nn.Parameter(torch.zeros(dim)) if scale else None
 
     def forward(self, x: Tensor) -> Tensor:
-        # Gemma normalises in fp32 and scales by (1 + w), also in fp32, before casting back;
-        # Llama-style x.to(dtype) * w would round differently in bf16.
+        # Gemma normalises in fp32 and scales by (offset + w), also in fp32, before casting
+        # back; Llama-style x.to(dtype) * w would round differently in bf16.
         out = x.float()
         out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * (1.0 + self.weight.float())).type_as(x)
+        if self.weight is None:
+            return out.type_as(x)
+        return (out * (self.offset + self.weight.float())).type_as(x)
 
 
 def rope_table(rope: RopeConfig, head_dim: int, length: int) -> tuple[Tensor, Tensor]:
     """cos and sin, (length, head_dim) in fp32, computed as Hugging Face does."""
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    # Proportional RoPE (Gemma 4's full layers) rotates only the first pairs; the rest get
+    # frequency 0 (cos 1, sin 0), so the rotate_half layout below passes them through.
+    rotated = int(rope.partial_rotary_factor * head_dim // 2)
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, 2 * rotated, 2).float() / head_dim))
+    inv_freq = F.pad(inv_freq, (0, head_dim // 2 - rotated))
     inv_freq = inv_freq / rope.scaling_factor  # linear scaling interpolates positions
     freqs = torch.outer(torch.arange(length).float(), inv_freq)  # (length, head_dim / 2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (length, head_dim): rotate_half layout
@@ -162,37 +194,70 @@ def attention_masks(
     return masks
 
 
+# Keys and values of this step by producing layer, for KV-shared layers (Gemma 3n/4) to read.
+SharedKV = dict[int, tuple[Tensor, Tensor]]
+
+
 class Attention(nn.Module):
-    def __init__(self, config: GemmaConfig, layer_type: AttentionType) -> None:
+    def __init__(self, config: GemmaConfig, layer_idx: int) -> None:
         super().__init__()
+        spec = config.layers[layer_idx]
         self.config = config
-        self.layer_type = layer_type
+        self.layer_idx = layer_idx
+        self.layer_type = config.layer_types[layer_idx]
         self.n_heads, self.n_kv, self.head_dim = (
             config.num_attention_heads,
-            config.num_key_value_heads,
-            config.head_dim,
+            spec.num_key_value_heads,
+            spec.head_dim,
         )
+        # A KV-shared layer computes only queries; keys and values are kv_source's, this step.
+        self.kv_source = spec.kv_source
+        self.owns_kv = spec.kv_source == layer_idx
+        self.feeds_others = any(s.kv_source == layer_idx != j for j, s in enumerate(config.layers))
+        self.k_eq_v = spec.k_eq_v
         self.q_proj = Linear(config.hidden_size, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = Linear(config.hidden_size, self.n_kv * self.head_dim, bias=False)
-        self.v_proj = Linear(config.hidden_size, self.n_kv * self.head_dim, bias=False)
+        if self.owns_kv:
+            self.k_proj = Linear(config.hidden_size, self.n_kv * self.head_dim, bias=False)
+            if not self.k_eq_v:
+                self.v_proj = Linear(config.hidden_size, self.n_kv * self.head_dim, bias=False)
         self.o_proj = Linear(self.n_heads * self.head_dim, config.hidden_size, bias=False)
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, config)
+            if self.owns_kv:
+                self.k_norm = RMSNorm(self.head_dim, config)
+        if config.v_norm and self.owns_kv:
+            self.v_norm = RMSNorm(self.head_dim, config, scale=False)
         self.scaling = config.query_pre_attn_scalar**-0.5
         self.cache: KVCache | None = None  # attached by GemmaForCausalLM.setup_cache
 
     def forward(
-        self, x: Tensor, input_pos: Tensor, kv_len: int, cos: Tensor, sin: Tensor, mask: Tensor
+        self,
+        x: Tensor,
+        input_pos: Tensor,
+        kv_len: int,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor,
+        shared: SharedKV,
     ) -> Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
         if self.config.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        keys, values = self.cache.update(k, v, input_pos, kv_len)  # (B, KV, S, D)
+            q = self.q_norm(q)
+        q = apply_rope(q, cos, sin)
+        if self.owns_kv:
+            k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
+            # attention_k_eq_v: the values are the raw key projection (before k_norm and rope).
+            v = k if self.k_eq_v else self.v_proj(x).view(B, T, self.n_kv, -1).transpose(1, 2)
+            if self.config.qk_norm:
+                k = self.k_norm(k)
+            if self.config.v_norm:
+                v = self.v_norm(v)
+            keys, values = self.cache.update(apply_rope(k, cos, sin), v, input_pos, kv_len)
+            if self.feeds_others:
+                shared[self.layer_idx] = keys, values  # (B, KV, S, D)
+        else:
+            keys, values = shared[self.kv_source]
 
         if T > 1 and self.config.attn_logit_softcapping is None:
             # A prompt: PyTorch's fused attention (flash on CPU), which never materialises the
@@ -217,48 +282,302 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: GemmaConfig) -> None:
+    def __init__(self, config: GemmaConfig, layer_idx: int) -> None:
         super().__init__()
-        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        spec = config.layers[layer_idx]
+        self.gate_proj = Linear(config.hidden_size, spec.intermediate_size, bias=False)
+        self.up_proj = Linear(config.hidden_size, spec.intermediate_size, bias=False)
+        self.down_proj = Linear(spec.intermediate_size, config.hidden_size, bias=False)
+        # Gemma 3n's activation sparsity keeps the gate values above mean + z * std, z the
+        # standard normal quantile of the target sparsity: a constant, computed once here.
+        sparsity = spec.activation_sparsity
+        self.sparsity_z = NormalDist().inv_cdf(sparsity) if sparsity > 0 else None
 
     def forward(self, x: Tensor) -> Tensor:
         # GeGLU with the tanh approximation of GELU, as Gemma was trained.
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+        gate = self.gate_proj(x)
+        if self.sparsity_z is not None:
+            gate = gaussian_top_k(gate, self.sparsity_z)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * self.up_proj(x))
+
+
+def gaussian_top_k(x: Tensor, z: float) -> Tensor:
+    """Gemma 3n: zero all but the values above a cutoff fitted as if x (per row) were normal."""
+    std = torch.std(x, dim=-1, keepdim=True, unbiased=False)
+    cutoff = x.mean(-1, keepdim=True) + std * torch.tensor(z, dtype=x.dtype, device=x.device)
+    return F.relu(x - cutoff)
+
+
+class Router(nn.Module):
+    """Gemma 4 MoE: each token's top-k experts and their weights, routed from the residual."""
+
+    def __init__(self, config: GemmaConfig) -> None:
+        super().__init__()
+        self.top_k = config.top_k_experts
+        self.input_scale = config.hidden_size**-0.5
+        self.norm = RMSNorm(config.hidden_size, config, scale=False)
+        self.proj = Linear(config.hidden_size, config.num_experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(config.hidden_size))
+        self.per_expert_scale = nn.Parameter(torch.ones(config.num_experts))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x (N, hidden) -> fp32 weights (N, K) and expert ids (N, K)."""
+        h = self.norm(x) * self.scale * self.input_scale
+        # fp32 probabilities, as the reference: in bf16, near-ties could pick other experts.
+        probs = F.softmax(self.proj(h), dim=-1, dtype=torch.float32)  # (N, E)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # (N, K)
+        weights = weights / weights.sum(-1, keepdim=True) * self.per_expert_scale[experts]
+        return weights, experts
+
+
+class Experts(nn.Module):
+    """Gemma 4 MoE: GeGLU experts stored as two 3-D tensors, as transformers saves them.
+
+    Decode (a few tokens, the compiled step) gathers each token's k experts and multiplies in
+    place: fixed shapes, no host sync. A prompt sorts its (token, expert) pairs by expert and
+    runs one dense product per expert, since gathering per token would copy k experts for
+    each of up to 512 tokens.
+    """
+
+    def __init__(self, config: GemmaConfig) -> None:
+        super().__init__()
+        self.num_experts = config.num_experts
+        width, hidden = config.moe_intermediate_size, config.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.empty(config.num_experts, 2 * width, hidden))
+        self.down_proj = nn.Parameter(torch.empty(config.num_experts, hidden, width))
+
+    def matrices(self, experts: Tensor | int) -> tuple[Tensor, Tensor]:
+        """(gate_up, down) of ``experts`` (ids of any shape, or one id): the one read of the
+        weights, where quantized experts would be expanded."""
+        return self.gate_up_proj[experts], self.down_proj[experts]
+
+    def forward(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
+        """x (N, hidden), weights and experts (N, K) -> the weighted sum of experts (N, hidden)."""
+        if x.shape[0] == 1 or torch.compiler.is_compiling():
+            gate_up, down = self.matrices(experts)  # (N, K, 2I, hidden), (N, K, hidden, I)
+            gate, up = batched_linear(x[:, None, :], gate_up).chunk(2, dim=-1)  # (N, K, I)
+            y = batched_linear(F.gelu(gate, approximate="tanh") * up, down)  # (N, K, hidden)
+            return (y * weights[..., None]).sum(1).to(x.dtype)
+        k = experts.shape[1]
+        flat = experts.flatten()  # (N*K,): token-major
+        order = flat.argsort(stable=True)
+        tokens = order // k  # the token of each sorted pair
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one host sync
+        rows = x[tokens]  # (N*K, hidden), grouped by expert
+        outs, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                gate_up, down = self.matrices(e)
+                gate, up = F.linear(rows[start : start + n], gate_up).chunk(2, dim=-1)
+                outs.append(F.linear(F.gelu(gate, approximate="tanh") * up, down))
+            start += n
+        y = torch.cat(outs) * weights.flatten()[order, None]  # (N*K, hidden)
+        return torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
+
+
+class AltUp(nn.Module):
+    """Gemma 3n's alternating updates: the hidden state is N streams (N, B, T, hidden).
+
+    A layer runs on one stream (the active one); before it, a learned map of all the streams
+    predicts each one, and after it, the layer's change to the active stream corrects them all.
+    ``spread`` and ``merge`` make the streams from the embeddings and back, at the model's ends.
+    """
+
+    def __init__(self, config: GemmaConfig) -> None:
+        super().__init__()
+        n, hidden = config.altup_num_inputs, config.hidden_size
+        self.n, self.active = n, config.altup_active_idx
+        self.correct_scale = config.altup_correct_scale
+        self.router_scale = 1.0 / hidden
+        self.correct_output_scale = nn.Parameter(torch.zeros(hidden))
+        self.correction_coefs = Linear(n, n, bias=False)
+        self.prediction_coefs = Linear(n, n * n, bias=False)
+        self.modality_router = Linear(hidden, n, bias=False)
+        self.router_norm = RMSNorm(hidden, config)
+
+    def _modalities(self, x: Tensor) -> Tensor:
+        routed = self.modality_router(self.router_norm(x) * self.router_scale)  # (B, T, N)
+        return torch.tanh(routed.float()).type_as(x)
+
+    def predict(self, streams: Tensor) -> Tensor:
+        modalities = self._modalities(streams[self.active])
+        coefs = self.prediction_coefs(modalities).unflatten(-1, (self.n, self.n))
+        coefs = coefs.transpose(-1, -2)  # (B, T, N, N)
+        mixed = torch.matmul(streams.permute(1, 2, 3, 0), coefs)  # (B, T, hidden, N)
+        return (mixed.permute(3, 0, 1, 2) + streams).type_as(streams)  # (N, B, T, hidden)
+
+    def correct(self, predicted: Tensor, out: Tensor) -> Tensor:
+        """Streams after a layer turned the active prediction into ``out`` (B, T, hidden)."""
+        coefs = self.correction_coefs(self._modalities(out)) + 1.0  # (B, T, N)
+        innovation = out - predicted[self.active]  # (B, T, hidden)
+        corrected = innovation * coefs.permute(2, 0, 1).unsqueeze(-1) + predicted
+        return corrected.type_as(out)  # (N, B, T, hidden)
+
+    def scaled_active(self, streams: Tensor) -> Tensor:
+        x = streams[self.active]
+        if not self.correct_scale:
+            return x
+        return (x.type_as(self.correct_output_scale) * self.correct_output_scale).type_as(x)
+
+    @staticmethod
+    def spread(x: Tensor, projections: nn.ModuleList) -> Tensor:
+        """Embeddings (B, T, hidden) -> streams: x, then projections of x at x's RMS."""
+        rms = x.pow(2).mean(-1, keepdim=True).sqrt()
+        return torch.stack([x, *(_at_rms(p(x), rms) for p in projections)])
+
+    @staticmethod
+    def merge(streams: Tensor, projections: nn.ModuleList) -> Tensor:
+        """Streams -> (B, T, hidden): the mean of stream 0 and the others projected back at its
+        RMS."""
+        rms = streams[0].pow(2).mean(-1, keepdim=True).sqrt()
+        back = (_at_rms(p(s), rms) for p, s in zip(projections, streams[1:], strict=True))
+        return torch.stack([streams[0], *back]).mean(0)
+
+
+def _at_rms(x: Tensor, rms: Tensor) -> Tensor:
+    """x rescaled to the given root mean square (its own clamped away from zero)."""
+    return x * rms / x.pow(2).mean(-1, keepdim=True).clamp(min=1e-5).sqrt()
+
+
+class Laurel(nn.Module):
+    """Gemma 3n's LAuReL: a learned low-rank residual of the normed input, beside attention."""
+
+    def __init__(self, config: GemmaConfig) -> None:
+        super().__init__()
+        self.linear_left = Linear(config.hidden_size, config.laurel_rank, bias=False)
+        self.linear_right = Linear(config.laurel_rank, config.hidden_size, bias=False)
+        self.post_laurel_norm = RMSNorm(config.hidden_size, config)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.post_laurel_norm(self.linear_right(self.linear_left(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: GemmaConfig, layer_type: AttentionType) -> None:
+    def __init__(self, config: GemmaConfig, layer_idx: int) -> None:
         super().__init__()
+        hidden = config.hidden_size
         self.sandwich = config.sandwich_norms
-        self.layer_type = layer_type
-        self.self_attn = Attention(config, layer_type)
-        self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # Gemma 1 calls its pre-MLP norm "post_attention_layernorm"; Gemma 2/3 add a real one.
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layer_type = config.layer_types[layer_idx]
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config, layer_idx)
+        self.input_layernorm = RMSNorm(hidden, config)
+        # Gemma 1 calls its pre-MLP norm "post_attention_layernorm"; Gemma 2+ add a real one.
+        self.post_attention_layernorm = RMSNorm(hidden, config)
         if self.sandwich:
-            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.pre_feedforward_layernorm = RMSNorm(hidden, config)
+            self.post_feedforward_layernorm = RMSNorm(hidden, config)
+        self.moe = config.num_experts > 0
+        if self.moe:  # Gemma 4: experts beside the dense MLP, with norms of their own
+            self.router = Router(config)
+            self.experts = Experts(config)
+            self.post_feedforward_layernorm_1 = RMSNorm(hidden, config)
+            self.post_feedforward_layernorm_2 = RMSNorm(hidden, config)
+            self.pre_feedforward_layernorm_2 = RMSNorm(hidden, config)
+        self.per_layer_input = config.hidden_size_per_layer_input > 0
+        if self.per_layer_input:
+            width = config.hidden_size_per_layer_input
+            self.per_layer_input_gate = Linear(hidden, width, bias=False)
+            self.per_layer_projection = Linear(width, hidden, bias=False)
+            self.post_per_layer_input_norm = RMSNorm(hidden, config)
+        self.altup = AltUp(config) if config.altup_num_inputs else None
+        self.laurel = Laurel(config) if config.laurel_rank else None
+        if config.layer_scalar:  # Gemma 4: a stored scale of the layer's output
+            self.register_buffer("layer_scalar", torch.ones(1))
+        else:
+            self.layer_scalar = None
 
     def forward(
-        self, x: Tensor, input_pos: Tensor, kv_len: int, cos: Tensor, sin: Tensor, mask: Tensor
+        self,
+        x: Tensor,
+        input_pos: Tensor,
+        kv_len: int,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor,
+        shared: SharedKV,
+        per_layer_input: Tensor | None = None,
     ) -> Tensor:
-        h = self.self_attn(self.input_layernorm(x), input_pos, kv_len, cos, sin, mask)
+        """x (B, T, hidden), or with AltUp (Gemma 3n) its streams (N, B, T, hidden)."""
+        if self.altup is not None:
+            streams = self.altup.predict(x)
+            x = streams[self.altup.active]
+        h = self.input_layernorm(x)
+        attn = self.self_attn(h, input_pos, kv_len, cos, sin, mask, shared)
         if not self.sandwich:
-            x = x + h
+            x = x + attn
             return x + self.mlp(self.post_attention_layernorm(x))
-        x = x + self.post_attention_layernorm(h)
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + self.post_attention_layernorm(attn)
+        if self.laurel is not None:
+            x = (x + self.laurel(h)) / math.sqrt(2)
+        x = x + self.post_feedforward_layernorm(self.feed_forward(x))
+        if self.altup is not None:
+            streams = self.altup.correct(streams, x)
+            # Gemma 3n adds the per-layer term to streams 1.. only, as transformers does.
+            term = self.per_layer_term(self.altup.scaled_active(streams), per_layer_input)
+            streams[1:] += term
+            return streams
+        if self.per_layer_input:
+            x = x + self.per_layer_term(x, per_layer_input)
+        if self.layer_scalar is not None:
+            x = x * self.layer_scalar
+        return x
+
+    def feed_forward(self, x: Tensor) -> Tensor:
+        h = self.mlp(self.pre_feedforward_layernorm(x))
+        if not self.moe:
+            return h
+        # Gemma 4: the router and the experts read the residual, not the dense MLP's input.
+        flat = x.reshape(-1, x.shape[-1])  # (B*T, hidden)
+        weights, experts = self.router(flat)
+        moe = self.experts(self.pre_feedforward_layernorm_2(flat), weights, experts)
+        moe = self.post_feedforward_layernorm_2(moe.view(x.shape))
+        return self.post_feedforward_layernorm_1(h) + moe
+
+    def per_layer_term(self, x: Tensor, per_layer_input: Tensor) -> Tensor:
+        """The per-layer embedding's contribution: a GELU gate of x times this layer's input."""
+        gate = F.gelu(self.per_layer_input_gate(x), approximate="tanh")
+        return self.post_per_layer_input_norm(self.per_layer_projection(gate * per_layer_input))
 
 
 class GemmaModel(nn.Module):
     def __init__(self, config: GemmaConfig) -> None:
         super().__init__()
+        self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, t) for t in config.layer_types)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config)
+        if width := config.hidden_size_per_layer_input:  # per-layer embeddings (3n, 4)
+            total = config.num_hidden_layers * width
+            self.embed_tokens_per_layer = nn.Embedding(config.vocab_size_per_layer_input, total)
+            self.per_layer_model_projection = Linear(config.hidden_size, total, bias=False)
+            self.per_layer_projection_norm = RMSNorm(width, config)
+        if n := config.altup_num_inputs:
+            self.altup_projections = nn.ModuleList(
+                Linear(config.hidden_size, config.hidden_size, bias=False) for _ in range(n - 1)
+            )
+            self.altup_unembed_projections = nn.ModuleList(
+                Linear(config.hidden_size, config.hidden_size, bias=False) for _ in range(n - 1)
+            )
+
+    def per_layer_inputs(self, tokens: Tensor, x: Tensor) -> Tensor:
+        """Per-layer embeddings (Gemma 3n/4): each layer's input (B, T, layers, width).
+
+        A token's own row of a second embedding table plus a normed projection of its (scaled)
+        embedding ``x``, over sqrt(2); layer i adds a gated term of slice i (per_layer_term).
+        """
+        cfg = self.config
+        shape = (*tokens.shape, cfg.num_hidden_layers, cfg.hidden_size_per_layer_input)
+        # Gemma 3n's table has fewer rows than the vocabulary: other ids read row 0, as in HF.
+        ids = torch.where(tokens < cfg.vocab_size_per_layer_input, tokens, 0)
+        own = lookup(self.embed_tokens_per_layer, ids)
+        own = own * torch.tensor(
+            cfg.hidden_size_per_layer_input**0.5, dtype=own.dtype, device=own.device
+        )
+        context = self.per_layer_model_projection(x) * cfg.hidden_size**-0.5
+        context = self.per_layer_projection_norm(context.view(shape))
+        return (context + own.view(shape)) * 2**-0.5
 
 
 class GemmaForCausalLM(nn.Module):
@@ -271,19 +590,26 @@ class GemmaForCausalLM(nn.Module):
         self.max_seq_len = 0
 
     def setup_cache(self, max_seq_len: int, batch: int = 1) -> None:
-        """Allocate the KV cache and rope tables once, on the weights' device and dtype."""
+        """Allocate the KV cache and rope tables once, on the weights' device and dtype.
+
+        KV-shared layers (Gemma 3n/4) own no cache: they read their source layer's.
+        """
         cfg = self.config
         weight = self.model.norm.weight  # embed_tokens.weight may be quantized
         self.max_seq_len = max_seq_len
         with torch.device(weight.device):
             for layer in self.model.layers:
+                attn = layer.self_attn
+                if not attn.owns_kv:
+                    continue
                 window = cfg.sliding_window if layer.layer_type is AttentionType.SLIDING else None
                 slots = min(window, max_seq_len) if window else max_seq_len
-                layer.self_attn.cache = KVCache(
-                    batch, cfg.num_key_value_heads, slots, cfg.head_dim, window, weight.dtype
-                )
-            for name, rope in (("global", cfg.rope_global), ("local", cfg.rope_local)):
-                cos, sin = rope_table(rope, cfg.head_dim, max_seq_len)
+                attn.cache = KVCache(batch, attn.n_kv, slots, attn.head_dim, window, weight.dtype)
+            for name, kind, rope in (
+                ("global", AttentionType.GLOBAL, cfg.rope_global),
+                ("local", AttentionType.SLIDING, cfg.rope_local),
+            ):  # one table per layer type, at that type's head size (Gemma 4: 512 and 256)
+                cos, sin = rope_table(rope, cfg.rope_head_dim(kind), max_seq_len)
                 self.register_buffer(f"cos_{name}", cos.to(weight.dtype), persistent=False)
                 self.register_buffer(f"sin_{name}", sin.to(weight.dtype), persistent=False)
 
@@ -302,21 +628,35 @@ class GemmaForCausalLM(nn.Module):
     ) -> Tensor:
         """The final normed hidden states (B, T or 1, hidden), written into the cache on the way."""
         cfg = self.config
-        embed = self.model.embed_tokens
-        quantized = not isinstance(embed, nn.Embedding)  # see quant.py
-        x = embed.embed(tokens) if quantized else embed(tokens)  # (B, T, hidden)
+        model = self.model
+        x = lookup(model.embed_tokens, tokens)  # (B, T, hidden)
         # The sqrt(hidden) scale is rounded to the activation dtype first, as in the reference.
         x = x * torch.tensor(cfg.hidden_size**0.5, dtype=x.dtype, device=x.device)
+        per_layer = model.per_layer_inputs(tokens, x) if cfg.hidden_size_per_layer_input else None
         rope = {
             AttentionType.GLOBAL: (self.cos_global[input_pos], self.sin_global[input_pos]),
             AttentionType.SLIDING: (self.cos_local[input_pos], self.sin_local[input_pos]),
         }
         window = cfg.sliding_window if cfg.has_sliding_layers else None
         masks = attention_masks(input_pos, kv_len, window)
-        for layer in self.model.layers:
+        if cfg.altup_num_inputs:
+            x = AltUp.spread(x, model.altup_projections)  # (N, B, T, hidden)
+        shared: SharedKV = {}
+        first_shared = cfg.first_kv_shared_layer
+        for i, layer in enumerate(model.layers):
+            if i == first_shared and not all_positions and tokens.shape[1] > 1:
+                # KV-shared layers write no cache, so when only the last position's logits are
+                # wanted they need run only on it (Gemma 4 E2B: 20 of 35 layers).
+                x, input_pos = x[..., -1:, :], input_pos[..., -1:]
+                per_layer = per_layer[:, -1:] if per_layer is not None else None
+                rope = {k: (cos[..., -1:, :], sin[..., -1:, :]) for k, (cos, sin) in rope.items()}
+                masks = {k: m[..., -1:, :] for k, m in masks.items()}
             cos, sin = rope[layer.layer_type]
-            x = layer(x, input_pos, kv_len, cos, sin, masks[layer.layer_type])
-        return self.model.norm(x if all_positions else x[:, -1:])
+            ple = per_layer[:, :, i] if per_layer is not None else None
+            x = layer(x, input_pos, kv_len, cos, sin, masks[layer.layer_type], shared, ple)
+        if cfg.altup_num_inputs:
+            x = AltUp.merge(x, model.altup_unembed_projections)  # (B, T, hidden)
+        return model.norm(x if all_positions else x[:, -1:])
 
     def logits(self, x: Tensor) -> Tensor:
         """Normed hidden states (B, T, hidden) -> logits (B, T, vocab)."""

@@ -30,6 +30,12 @@ the rows it reads, and a tied output layer reuses the same quantized matrix. Und
 embedding and output layer are int8, as llama.cpp's Q4_K_M keeps its output layer in 8 bits for
 Gemma 3 270M: quantizing it to int4 as well added about 10 points of perplexity increase (42%
 against 32%, groups of 64).
+
+Gemma 3n/4: their new linear layers (per-layer embedding gates and projections, LAuReL, AltUp's
+stream projections) are quantized like any other, and the per-layer embedding table (Gemma 4
+E2B's largest tensor) like the embedding, int8 under both methods. A few tiny matrices stay in
+float (``KEEP_FLOAT``). Mixture-of-experts experts (Gemma 4 26B-A4B) are refused: their 3-D
+weights would need gathered kernels of their own in the layout above.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from torch import Tensor, nn
 
 from . import cpu
 from .errors import InvalidRequestError
-from .model import one_token_on_cpu_compiled
+from .model import Experts, one_token_on_cpu_compiled
 
 METHODS = ("none", "int8", "int4")
 DEFAULT_GROUP_SIZE = 32
@@ -51,6 +57,45 @@ QUANT_BUFFERS = (".scale", ".offset")  # stored in their own dtypes, never cast 
 CONFIG_KEY = "gemma_engine_quantization"  # config.json entry of a saved quantized model
 # Capabilities whose quantized decode kernels are measured faster than fp32 (BENCHMARKS.md).
 FAST_CAPABILITIES = ("AVX2", "AVX512")
+# Linear layers left in float: AltUp's coefficient maps have 4 inputs (no int8 word or int4
+# group fits), its modality router 4 outputs, and the MoE router decides which experts run,
+# which rounding could flip. All are tiny.
+KEEP_FLOAT = (
+    "altup.prediction_coefs",
+    "altup.correction_coefs",
+    "altup.modality_router",
+    "router.proj",
+)
+
+
+def _quantized_children(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, name, child) for each linear layer and embedding that quantization replaces."""
+    found = []
+    for path, parent in model.named_modules():
+        for name, child in parent.named_children():
+            if isinstance(child, (nn.Linear, nn.Embedding)):
+                if not f"{path}.{name}".endswith(KEEP_FLOAT):
+                    found.append((parent, name, child))
+    return found
+
+
+def input_widths(model: nn.Module) -> list[int]:
+    """The input widths of the layers quantization would replace (check_quantize's widths)."""
+    return sorted(
+        {
+            c.in_features if isinstance(c, nn.Linear) else c.embedding_dim
+            for _, _, c in _quantized_children(model)
+        }
+    )
+
+
+def check_supported(model: nn.Module, method: str) -> None:
+    """Refuse a quantization of a model with parts it does not cover."""
+    if method != "none" and any(isinstance(m, Experts) for m in model.modules()):
+        raise InvalidRequestError(
+            f"quantize={method!r} does not cover the experts of a mixture-of-experts model "
+            "(Gemma 4 26B-A4B); load it without quantize (--quantize none)"
+        )
 
 
 def check_quantize(
@@ -369,30 +414,29 @@ def quantize_model(
     of a saved quantized checkpoint); real weights are quantized here, one layer at a time.
     Either way the modules hold the saved layout until ``to_kernel_layout``.
     """
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                n, k = child.out_features, child.in_features
-            elif isinstance(child, nn.Embedding):
-                n, k = child.num_embeddings, child.embedding_dim
+    check_supported(model, method)
+    for parent, name, child in _quantized_children(model):
+        if isinstance(child, nn.Linear):
+            n, k = child.out_features, child.in_features
+        else:
+            n, k = child.num_embeddings, child.embedding_dim
+        w = child.weight
+        # Embeddings (the tied output layer, Gemma 3n/4's per-layer table) stay int8 under int4:
+        # the output layer is the one perplexity is most sensitive to, its int8 product is also
+        # the faster one, and a table is read only a few rows at a time.
+        output = isinstance(child, nn.Embedding) or name == "lm_head"
+        with torch.device(w.device):
+            if method == "int8" or output:
+                new = Int8Linear(k, n, dtype)
+                tensors = None if w.is_meta else quantize_int8(w)
             else:
-                continue
-            w = child.weight
-            # The output layer (the tied embedding) stays int8 under int4: it is the layer
-            # perplexity is most sensitive to, and its int8 product is also the faster one.
-            output = isinstance(child, nn.Embedding) or name == "lm_head"
-            with torch.device(w.device):
-                if method == "int8" or output:
-                    new = Int8Linear(k, n, dtype)
-                    tensors = None if w.is_meta else quantize_int8(w)
-                else:
-                    new = Int4Linear(k, n, group_size, dtype)
-                    tensors = None if w.is_meta else quantize_int4(w, group_size)
-            if tensors is not None:
-                names = ("weight", "scale", "offset")[: len(tensors)]
-                for buf, t in zip(names, tensors, strict=True):
-                    setattr(new, buf, t)
-            setattr(parent, name, new)
+                new = Int4Linear(k, n, group_size, dtype)
+                tensors = None if w.is_meta else quantize_int4(w, group_size)
+        if tensors is not None:
+            names = ("weight", "scale", "offset")[: len(tensors)]
+            for buf, t in zip(names, tensors, strict=True):
+                setattr(new, buf, t)
+        setattr(parent, name, new)
 
 
 def to_kernel_layout(model: nn.Module) -> None:

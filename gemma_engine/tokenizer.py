@@ -1,7 +1,13 @@
-"""SentencePiece tokenizer with BOS handling and a streaming decoder."""
+"""The tokenizer, with BOS handling and a streaming decoder.
+
+Gemma 1-3 and 3n checkpoints ship a SentencePiece ``tokenizer.model``; Gemma 4 ships only a
+Hugging Face ``tokenizer.json``, read with the ``tokenizers`` library. Both sit behind the same
+``Tokenizer`` interface.
+"""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import sentencepiece as spm
@@ -9,8 +15,8 @@ import sentencepiece as spm
 from .errors import CheckpointError
 
 
-class Tokenizer:
-    def __init__(self, model: Path | bytes) -> None:
+class _SentencePiece:
+    def __init__(self, model: str | Path | bytes) -> None:
         try:
             if isinstance(model, bytes):
                 self.sp = spm.SentencePieceProcessor(model_proto=model)
@@ -18,29 +24,124 @@ class Tokenizer:
                 self.sp = spm.SentencePieceProcessor(model_file=str(model))
         except (OSError, RuntimeError) as err:
             raise CheckpointError(f"cannot load the SentencePiece tokenizer: {err}") from None
-        self.bos_id = self.sp.bos_id()
-        self.eos_id = self.sp.eos_id()
+        self.bos_id, self.eos_id = self.sp.bos_id(), self.sp.eos_id()
         self.vocab_size = self.sp.get_piece_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.sp.encode(text)  # control pieces are never matched in raw text
+
+    def decode(self, ids: list[int]) -> str:
+        return self.sp.decode(ids)  # control pieces decode to nothing
+
+    def piece_id(self, piece: str) -> int | None:
+        i = self.sp.piece_to_id(piece)
+        return i if self.sp.id_to_piece(i) == piece else None
+
+    def files(self) -> dict[str, bytes]:
+        return {"tokenizer.model": self.sp.serialized_model_proto()}
+
+
+# Gemma 4's tokenizer.json is 32 MB; a file far larger than any real one is refused unread.
+_MAX_TOKENIZER_JSON_BYTES = 1 << 30
+
+
+class _TokenizerJson:
+    def __init__(self, path: Path) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self.path = path
+        try:
+            if path.stat().st_size > _MAX_TOKENIZER_JSON_BYTES:
+                raise CheckpointError(f"{path} is over 1 GiB; it is not a tokenizer")
+            self.tok = HFTokenizer.from_file(str(path))
+        except CheckpointError:
+            raise
+        except Exception as err:  # OSError, or the plain Exception tokenizers raises
+            raise CheckpointError(f"cannot load the tokenizer {path}: {err}") from None
+        # Special tokens in raw text are encoded as text, never as the special token, as
+        # SentencePiece does with control pieces: templates insert them by id.
+        self.tok.encode_special_tokens = True
+        names = _special_names(path.with_name("tokenizer_config.json"))
+        self.bos_id = self._need(names["bos_token"], path)
+        self.eos_id = self._need(names["eos_token"], path)
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+
+    def _need(self, piece: str, path: Path) -> int:
+        i = self.tok.token_to_id(piece)
+        if i is None:
+            raise CheckpointError(f"{path} has no {piece!r} token")
+        return i
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def piece_id(self, piece: str) -> int | None:
+        return self.tok.token_to_id(piece)
+
+    def files(self) -> dict[str, bytes]:
+        out = {"tokenizer.json": self.path.read_bytes()}
+        if (config := self.path.with_name("tokenizer_config.json")).is_file():
+            out[config.name] = config.read_bytes()  # names the BOS and EOS tokens
+        return out
+
+
+def _special_names(config_file: Path) -> dict[str, str]:
+    """BOS/EOS token names from tokenizer_config.json where it names them; Gemma's otherwise."""
+    names = {"bos_token": "<bos>", "eos_token": "<eos>"}
+    if config_file.is_file():
+        try:
+            config = json.loads(config_file.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise CheckpointError(f"{config_file} is not valid JSON: {err}") from None
+        for key in names:
+            value = config.get(key)
+            if isinstance(value, dict):  # the older AddedToken form
+                value = value.get("content")
+            if isinstance(value, str):
+                names[key] = value
+    return names
+
+
+class Tokenizer:
+    """``model``: a SentencePiece file or serialized proto, or a ``tokenizer.json`` path."""
+
+    def __init__(self, model: str | Path | bytes) -> None:
+        if not isinstance(model, bytes) and Path(model).suffix == ".json":
+            self._impl: _SentencePiece | _TokenizerJson = _TokenizerJson(Path(model))
+        else:
+            self._impl = _SentencePiece(model)
+        self.bos_id = self._impl.bos_id
+        self.eos_id = self._impl.eos_id
+        self.vocab_size = self._impl.vocab_size
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         # Control pieces such as <start_of_turn> are never matched in raw text: templates insert
         # them by id (see special_id), so user text cannot forge a turn.
-        ids = self.sp.encode(text)
+        ids = self._impl.encode(text)
         return [self.bos_id, *ids] if add_bos else ids
 
     def decode(self, ids: list[int]) -> str:
         # Models may pad their vocabulary past the tokenizer's (Gemma 3 4b+: 262,208 vs
         # 262,144); such ids have no text.
-        return self.sp.decode([i for i in ids if 0 <= i < self.vocab_size])
+        return self._impl.decode([i for i in ids if 0 <= i < self.vocab_size])
 
     def has_piece(self, piece: str) -> bool:
-        return self.sp.id_to_piece(self.sp.piece_to_id(piece)) == piece
+        return self._impl.piece_id(piece) is not None
 
     def special_id(self, piece: str) -> int:
         """The id of a control piece such as '<end_of_turn>'; an error if the vocab lacks it."""
-        if not self.has_piece(piece):
+        i = self._impl.piece_id(piece)
+        if i is None:
             raise CheckpointError(f"this tokenizer has no {piece!r} token, which --chat needs")
-        return self.sp.piece_to_id(piece)
+        return i
+
+    def save(self, folder: Path) -> None:
+        """Write the tokenizer's files into ``folder`` as they were read."""
+        for name, data in self._impl.files().items():
+            (folder / name).write_bytes(data)
 
 
 class IncrementalDecoder:
