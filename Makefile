@@ -46,13 +46,14 @@ bench-buckets: $(STAMP)
 
 # llama.cpp, the speed anchor, built from the llama-cpp-python sdist (about 10 minutes per build on
 # 2 cores): once for this CPU and once for AVX2 only, so an AVX-512 machine can stand in for Zen 3.
+# --no-cache-dir: pip would otherwise reuse the first build's wheel for the second.
 # Use with: scripts/bench.py --llama-cpp-path .llama/native (or --capability avx2 --llama-cpp-path .llama/avx2).
 LLAMA_CPP ?= llama-cpp-python==0.3.36
 LLAMA_AVX2 := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
 	-DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF
 llama-cpp: $(STAMP)
-	$(BIN)/pip install -q --no-deps --no-binary llama-cpp-python --target .llama/native "$(LLAMA_CPP)"
-	CMAKE_ARGS="$(LLAMA_AVX2)" $(BIN)/pip install -q --no-deps --no-binary llama-cpp-python \
+	$(BIN)/pip install -q --no-cache-dir --no-deps --no-binary llama-cpp-python --target .llama/native "$(LLAMA_CPP)"
+	CMAKE_ARGS="$(LLAMA_AVX2)" $(BIN)/pip install -q --no-cache-dir --no-deps --no-binary llama-cpp-python \
 		--target .llama/avx2 "$(LLAMA_CPP)"
 
 clean:

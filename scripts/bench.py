@@ -855,6 +855,11 @@ def main(argv=None) -> int:
     info = bu.machine_info(args.device, args.threads)
     if any(n.startswith("llama.cpp") for n in names):
         info["llama_cpp_build"] = bu.llama_cpp_build()
+        if args.capability == "avx2" and "AVX512" in info["llama_cpp_build"].split("(")[-1]:
+            raise SystemExit(
+                f"llama.cpp at {info['llama_cpp_build']} uses AVX-512, which an AVX2 run must not; "
+                "build an AVX2-only one (make llama-cpp) and pass --llama-cpp-path .llama/avx2"
+            )
     print(f"machine: {bu.machine_line(info)}\nversions: {bu.versions_line(info)}", flush=True)
 
     gguf = args.gguf
