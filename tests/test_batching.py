@@ -13,9 +13,10 @@ import time
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from gemma_engine import Engine
+from gemma_engine import Engine, cpu, quant
 from gemma_engine.slots import SlotTable, batch_buckets
 
 BUCKETS = [16, 32, 64]
@@ -67,6 +68,26 @@ def test_batched_equals_solo_gemma4(kind, tiny_new_checkpoints):
     prompts = [ids_for(n, seed=n) for n in (5, 12, 19)]
     alone = run_alone(engine, prompts, max_new_tokens=25)
     assert run_together(engine, prompts, max_new_tokens=25) == alone
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_batched_rows_equal_one_row(method):
+    """A batched decode step's quantized product (compiled, on CPU) is the one-token kernel
+    per row: each row exactly as alone, and the product of the dequantized matrix. (A whole
+    compiled quantized engine per batch size costs minutes of compiling here.)"""
+    holder = torch.nn.Module()
+    holder.proj = torch.nn.Linear(64, 48, bias=False)
+    torch.nn.init.normal_(holder.proj.weight, std=0.1)
+    quant.quantize_model(holder, method, 16, torch.float32)
+    quant.to_kernel_layout(holder)
+    step = torch.compile(lambda x: holder.proj(x), fullgraph=True, dynamic=False)
+    x = torch.randn(3, 1, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), cpu.compile_config():
+        batched = step(x)
+        alone = torch.cat([step(x[i : i + 1]) for i in range(3)])
+    assert torch.equal(batched, alone)
+    expected = F.linear(x, holder.proj.dequantize(torch.float32))
+    torch.testing.assert_close(batched, expected, atol=1e-4, rtol=1e-4)
 
 
 def test_batched_step_matches_transformers(tiny_checkpoints):
