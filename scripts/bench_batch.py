@@ -33,6 +33,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _benchutil as bu  # noqa: E402
+
 from gemma_engine import Engine, model  # noqa: E402
 from gemma_engine.gguf import ensure_default_model  # noqa: E402
 
@@ -162,14 +165,25 @@ def main() -> None:
     p.add_argument("--no-transformers", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny settings, eager: does it run")
     p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    info = bu.machine_info("cpu", args.threads)
+    bandwidth = bu.measure_bandwidth("cpu")
+    print(f"machine: {bu.machine_line(info)}\nversions: {bu.versions_line(info)}", flush=True)
+    print(f"memory bandwidth: {json.dumps(bandwidth)}", flush=True)
     if args.smoke:
         args.weights, args.batches, args.prompt_len, args.tokens = "fp32", "1,2", 8, 4
         args.history, args.no_compile = 100, True
     args.model = str(args.model or ensure_default_model())
     args.batches = [int(b) for b in args.batches.split(",")]
     model.BATCHED_FUSED = args.batched_linear == "fused"
-    results = {"args": {k: str(v) for k, v in vars(args).items()}, "rows": []}
+    results = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "machine": info,
+        "bandwidth": bandwidth,
+        "rows": [],
+    }
     for weights in args.weights.split(","):
         results["rows"] += engine_batches(args, weights)
     if not args.no_transformers:
