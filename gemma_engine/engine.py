@@ -24,6 +24,13 @@ from torch import Tensor
 from . import cpu, quant
 from .config import AttentionType, GemmaConfig
 from .errors import InvalidRequestError, OutOfMemoryError
+from .inputs import (
+    check_device,
+    check_dtype,
+    check_generation_args,
+    check_token_ids,
+    parse_dtype,  # noqa: F401  (also imported from here by scripts)
+)
 from .loading import build_model, read_checkpoint, resolve
 from .model import GemmaForCausalLM
 from .sampling import SamplingParams, sample
@@ -39,15 +46,6 @@ FIRST_BUCKET = 256
 # Prompts are prefilled in chunks of this many tokens, which bounds the attention scores'
 # memory; the prefill runs eagerly because prompt lengths vary and its matmuls are already large.
 PREFILL_CHUNK = 512
-
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
 
 Prompt = str | list[int]
 
@@ -66,14 +64,6 @@ def default_buckets(max_seq_len: int) -> list[int]:
         buckets.append(n)
         n *= 2
     return [*buckets, max_seq_len]
-
-
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in _DTYPES:
-        raise InvalidRequestError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
-    return _DTYPES[dtype]
 
 
 class Engine:
@@ -147,8 +137,9 @@ class Engine:
         weights in fewer bits (see quant.py); a checkpoint saved by ``save_pretrained`` after
         quantizing loads as it was saved.
         """
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = check_device(device)
         dtype = parse_dtype(dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32))
+        check_dtype(dtype, device)
         ckpt = read_checkpoint(resolve(model), dtype)
         config = GemmaConfig.from_hf(ckpt.config)
         with torch.device("meta"):  # the layers quantization would replace, with no weights
@@ -167,6 +158,7 @@ class Engine:
         buckets = _check_buckets(buckets, max_seq_len)
         _check_cache_fits(config, max_seq_len, dtype, device)
         tokenizer = Tokenizer(ckpt.tokenizer_model)
+        tokenizer.check_fits(config.vocab_size)
         if saved:
             quantized = (saved["method"], saved.get("group_size"))
             net = build_model(config, ckpt.tensors, device, dtype, quantized)
@@ -386,13 +378,8 @@ class Engine:
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            ids = list(prompt)
-            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-            if bad:
-                raise InvalidRequestError(
-                    f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})"
-                )
+        elif isinstance(prompt, list):
+            ids = check_token_ids(prompt, self.config.vocab_size)
         else:
             raise InvalidRequestError("prompt must be a str, a list of token ids, or a list of str")
         if not ids:
@@ -416,13 +403,7 @@ class Engine:
         stop: str | list[str] | None = None,
     ) -> Iterator[str]:
         params = SamplingParams(temperature, top_k, top_p, seed)
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise InvalidRequestError(
-                f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}"
-            )
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if not all(isinstance(s, str) and s for s in stops):
-            raise InvalidRequestError("stop must be a non-empty string or a list of them")
+        max_new_tokens, stops = check_generation_args(max_new_tokens, stop)
         ids = self._prompt_ids(prompt)
         stats: dict[str, Any] = {"prompt_tokens": len(ids)}
         self.last_stats = stats

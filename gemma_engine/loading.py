@@ -6,7 +6,6 @@ file can run arbitrary code when loaded, so it is refused, never opened.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,8 +14,15 @@ import torch
 
 from .config import GemmaConfig
 from .errors import CheckpointError, CheckpointNotFoundError
+from .file_checks import (
+    check_weight_dtype,
+    read_generation_config,
+    read_json,
+    read_safetensors,
+    shard_files,
+)
 from .model import GemmaForCausalLM
-from .quant import QUANT_BUFFERS, quantize_model
+from .quant import QUANT_BUFFERS, check_saved, quantize_model
 
 _HUB_FILES = [
     "config.json",
@@ -126,10 +132,8 @@ def read_checkpoint(path: Path, dtype: torch.dtype) -> Checkpoint:
         raise CheckpointNotFoundError(
             f"{path} has no config.json; is it a Hugging Face checkpoint?"
         )
-    try:
-        config = json.loads(config_file.read_text())
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{config_file} is not valid JSON: {err}") from None
+    config = read_json(config_file)
+    check_saved(config)
     tokenizer = path / "tokenizer.model"  # SentencePiece; Gemma 4 ships tokenizer.json only
     if not tokenizer.is_file():
         tokenizer = path / "tokenizer.json"
@@ -137,19 +141,16 @@ def read_checkpoint(path: Path, dtype: torch.dtype) -> Checkpoint:
         raise CheckpointNotFoundError(
             f"{path} has no tokenizer.model (SentencePiece) or tokenizer.json (Hugging Face)"
         )
-    gen_file = path / "generation_config.json"
-    gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+    gen = read_generation_config(path / "generation_config.json")
     return Checkpoint(config, _read_safetensors(path, dtype), tokenizer, gen)
 
 
 def _read_safetensors(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError, safe_open
-
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        shards = shard_files(index, folder)
     elif (folder / "model.safetensors").is_file():
-        shards = ["model.safetensors"]
+        shards = [folder / "model.safetensors"]
     else:
         pickles = sorted(p.name for p in folder.iterdir() if p.suffix in _PICKLE_SUFFIXES)
         if pickles:
@@ -159,18 +160,7 @@ def _read_safetensors(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tenso
         )
     tensors: dict[str, torch.Tensor] = {}
     for shard in shards:
-        file = folder / shard
-        if not file.is_file():
-            raise CheckpointNotFoundError(f"{file} is listed in the index but missing")
-        try:
-            with safe_open(file, framework="pt") as f:  # memory-mapped: no copy when dtypes match
-                for name in f.keys():
-                    tensors[name] = f.get_tensor(name)
-        except SafetensorError as err:
-            raise CheckpointError(
-                f"{file} is not a valid safetensors file ({err}); it may be truncated: "
-                "download or convert it again"
-            ) from None
+        tensors.update(read_safetensors(shard))
     for name, tensor in tensors.items():
         if tensor.dtype.is_floating_point and not _is_quant_buffer(name, tensors):
             tensors[name] = tensor.to(dtype)
@@ -251,6 +241,7 @@ def build_model(
                 f"but config.json implies {tuple(shape)}"
             )
         want = metas[name].dtype
+        check_weight_dtype(name, state[name], want)
         if not want.is_floating_point and state[name].dtype != want:  # quantized weights
             raise CheckpointError(
                 f"tensor {name} is {state[name].dtype} but a quantized checkpoint stores "
