@@ -136,7 +136,7 @@ def _open(path: Path) -> Any:
 _INTS = frozenset({0, 1, 2, 3, 4, 5, 10, 11})
 _KINDS: dict[str, frozenset[int]] = {
     "int": _INTS,
-    "float": _INTS | {6, 12},
+    "float": frozenset({6, 12}),  # FLOAT32, FLOAT64: as llama.cpp, no int read as a float
     "str": frozenset({8}),
     "bool": frozenset({7}),
 }
