@@ -228,6 +228,8 @@ class GemmaConfig:
             )
         cfg = {**_DEFAULTS.get(model_type, {}), **cfg}
         check_hf_config(cfg)
+        # null means "not set" (a key's default, or none), never a value to compute with.
+        cfg = {key: value for key, value in cfg.items() if value is not None}
 
         def need(key: str) -> Any:
             if cfg.get(key) is None:

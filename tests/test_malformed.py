@@ -567,3 +567,16 @@ def test_check_agrees_with_the_gguf_reader(base_gguf, tmp_path) -> None:
     assert layout.data_start == reader.data_offset
     assert layout.data_end == max(t.data_offset + t.n_bytes for t in reader.tensors)
     assert (layout.n_tensors, layout.n_kv) == (len(reader.tensors), len(base_gguf[0].kvs))
+
+
+@pytest.mark.parametrize(
+    "key", ["bos_token_id", "eos_token_id", "max_position_embeddings", "rms_norm_eps"]
+)
+def test_null_config_values_mean_the_default(key, hostile_server, base_folder, tmp_path) -> None:
+    """Found by test_fuzz.py: a null used to reach int(None); null now means "not set"."""
+    import shutil
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(base_folder, folder)
+    _config(lambda c: c.update({key: None}))(folder)
+    assert hostile_server.load(folder)["outcome"] == "ok"
