@@ -132,3 +132,84 @@ def test_the_real_command(argv, stdin, word, files) -> None:
         argv = [*argv, b"--model", files[MODEL].encode(), b"--no-compile"]
     proc = gemma_run(argv, stdin, timeout=60)
     _assert_one_line(proc.returncode, proc.stderr.decode(errors="replace"), word)
+
+
+# -- the same edges in the Python API --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine(files):
+    from gemma_engine import Engine
+
+    return Engine.from_pretrained(files[MODEL], device="cpu", compile=False, max_seq_len=32)
+
+
+@pytest.mark.parametrize(
+    "device", ["tpu", "cuda:x", "mps", "meta", MISSING_CUDA, 0] + (["cuda"] * NO_CUDA)
+)
+def test_api_refuses_devices(device, files) -> None:
+    from gemma_engine import Engine, InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="device"):
+        Engine.from_pretrained(files[MODEL], device=device, compile=False)
+
+
+@pytest.mark.parametrize("dtype", ["int8", torch.int8, torch.float64, 32, ["float32"]])
+def test_api_refuses_dtypes(dtype, files) -> None:
+    from gemma_engine import Engine, InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="dtype"):
+        Engine.from_pretrained(files[MODEL], device="cpu", dtype=dtype, compile=False)
+
+
+@pytest.mark.parametrize(
+    "prompt, word",
+    [
+        ([2, True, 5], "bool"),
+        ([2, 5.0], "whole number"),
+        ([2, "5"], "whole number"),
+        ([2, -1], "vocabulary"),
+        ([2, 512], "vocabulary"),
+        ("a\ud800b", "surrogate"),
+        ((2, 5), "prompt must be"),
+    ],
+)
+def test_api_refuses_prompts(engine, prompt, word) -> None:
+    from gemma_engine import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match=word):
+        engine.generate(prompt, max_new_tokens=1)
+
+
+def test_api_takes_numpy_and_tensor_ids_as_ints(engine) -> None:
+    """Integer types that convert losslessly (__index__) are token ids; the result is the same."""
+    import numpy as np
+
+    plain = engine.generate([2, 5, 9], max_new_tokens=3).token_ids
+    assert (
+        engine.generate([np.int64(2), np.int32(5), torch.tensor(9)], max_new_tokens=3).token_ids
+        == plain
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs, word",
+    [
+        (dict(temperature=True), "temperature"),
+        (dict(temperature="0.5"), "temperature"),
+        (dict(temperature=1e-30), "temperature"),
+        (dict(top_k=True), "top_k"),
+        (dict(top_p=float("nan")), "top_p"),
+        (dict(seed=1 << 64), "seed"),
+        (dict(seed=1.0), "seed"),
+        (dict(max_new_tokens=True), "max_new_tokens"),
+        (dict(max_new_tokens=2.0), "max_new_tokens"),
+        (dict(stop="a\udcff"), "surrogate"),
+        (dict(stop=5), "stop"),
+    ],
+)
+def test_api_refuses_generation_args(engine, kwargs, word) -> None:
+    from gemma_engine import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match=word):
+        engine.generate("hi", **{"max_new_tokens": 1, **kwargs})
