@@ -6,7 +6,10 @@ import argparse
 import sys
 import time
 
-from .errors import GemmaEngineError
+from .errors import GemmaEngineError, InvalidRequestError
+
+# A prompt is at most max_seq_len tokens (a few bytes each); more than this is not a prompt.
+MAX_PROMPT_BYTES = 64 << 20
 
 
 class _Parser(argparse.ArgumentParser):
@@ -20,7 +23,9 @@ def _bucket_list(text: str) -> list[int]:
 
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="gemma-run", description="Generate text with a Gemma model.")
-    p.add_argument("--prompt", required=True, help="the prompt text, or - to read stdin")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="the prompt text, or - to read stdin (UTF-8)")
+    source.add_argument("--prompt-file", help="a UTF-8 text file holding the prompt")
     p.add_argument(
         "--model",
         help="checkpoint folder, .gguf file or hub id "
@@ -66,9 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.system is not None and not args.chat:
         _parser().error("--system needs --chat")
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     printed = False
     try:
+        prompt = _read_prompt(args.prompt, args.prompt_file)
         from .engine import Engine
 
         engine = Engine.from_pretrained(
@@ -106,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     except GemmaEngineError as err:
         if printed:
             sys.stdout.write("\n")
-        print(f"gemma-run: error: {err}", file=sys.stderr)
+        message = " ".join(str(err).split())  # one line, whatever the message holds
+        print(f"gemma-run: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         sys.stdout.write("\n")
@@ -115,6 +121,42 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. piped into head: stop quietly
         sys.stderr.close()
         return 0
+
+
+def _read_prompt(prompt: str | None, prompt_file: str | None) -> str:
+    """The prompt: the --prompt text, stdin for "-", or a file; bytes must be UTF-8 text."""
+    if prompt is not None and prompt != "-":
+        return prompt
+    if prompt is not None:
+        stream = getattr(sys.stdin, "buffer", None)
+        if stream is None:  # a text stream put in place of stdin (tests, embedding)
+            return sys.stdin.read(MAX_PROMPT_BYTES)
+        data, where = stream.read(MAX_PROMPT_BYTES + 1), "stdin"
+    else:
+        where = prompt_file
+        try:
+            with open(prompt_file, "rb") as f:
+                data = f.read(MAX_PROMPT_BYTES + 1)
+        except IsADirectoryError:
+            raise InvalidRequestError(
+                f"--prompt-file {where} is a folder, not a text file"
+            ) from None
+        except OSError as err:
+            raise InvalidRequestError(
+                f"cannot read --prompt-file {where}: {err.strerror or err}"
+            ) from None
+    if len(data) > MAX_PROMPT_BYTES:
+        raise InvalidRequestError(f"the prompt from {where} is over {MAX_PROMPT_BYTES:,} bytes")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise InvalidRequestError(
+            f"the prompt from {where} is not UTF-8 text (byte {data[err.start]:#04x} at offset "
+            f"{err.start}); convert it to UTF-8 first (e.g. iconv -t UTF-8)"
+        ) from None
+    if "\0" in text:
+        raise InvalidRequestError(f"the prompt from {where} holds NUL bytes; it is not text")
+    return text
 
 
 def _summary(stats: dict, first_token_seconds: float | None, quantization) -> str:

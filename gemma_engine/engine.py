@@ -26,7 +26,8 @@ from torch import Tensor
 from . import cpu, quant
 from .config import GemmaConfig
 from .errors import InvalidRequestError
-from .loading import default_buckets, load, parse_dtype  # noqa: F401 (re-exported)
+from .inputs import check_device, check_dtype, check_generation_args, check_token_ids, parse_dtype
+from .loading import default_buckets, load  # noqa: F401 (re-exported)
 from .model import GemmaForCausalLM
 from .request import Generation, Request
 from .sampling import SamplingParams
@@ -114,8 +115,9 @@ class Engine:
         4, fewer if their cache would not fit); ``prefill_chunk`` (default 512) bounds how many
         prompt tokens run between two decode steps.
         """
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = check_device(device)
         dtype = parse_dtype(dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32))
+        check_dtype(dtype, device)
         loaded = load(
             model,
             device=device,
@@ -241,13 +243,7 @@ class Engine:
         arguments raise InvalidRequestError here, before anything is queued.
         """
         params = SamplingParams(temperature, top_k, top_p, seed)
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise InvalidRequestError(
-                f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}"
-            )
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if not all(isinstance(s, str) and s for s in stops):
-            raise InvalidRequestError("stop must be a non-empty string or a list of them")
+        max_new_tokens, stops = check_generation_args(max_new_tokens, stop)
         ids = self._prompt_ids(prompt)
         # The last sampled token is fed only if another one follows, so a full cache can still
         # yield one more token than it has positions left.
@@ -343,13 +339,8 @@ class Engine:
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            ids = list(prompt)
-            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-            if bad:
-                raise InvalidRequestError(
-                    f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})"
-                )
+        elif isinstance(prompt, list):
+            ids = check_token_ids(prompt, self.config.vocab_size)
         else:
             raise InvalidRequestError("prompt must be a str, a list of token ids, or a list of str")
         if not ids:

@@ -18,8 +18,9 @@ class CheckpointNotFoundError(GemmaEngineError, FileNotFoundError):
     """A model folder, file or hub id could not be found."""
 
 
-class UnsupportedModelError(GemmaEngineError, ValueError):
-    """The checkpoint is not a Gemma text model this engine implements."""
+class UnsupportedModelError(CheckpointError):
+    """The checkpoint is not a Gemma text model this engine implements (a CheckpointError:
+    whoever handles a bad checkpoint handles this one too)."""
 
 
 class InvalidRequestError(GemmaEngineError, ValueError):

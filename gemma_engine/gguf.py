@@ -14,6 +14,7 @@ The ``gguf`` package is an optional extra, imported only inside functions.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -26,12 +27,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from gemma_engine.config import check_hf_config
 from gemma_engine.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     GemmaEngineError,
     UnsupportedModelError,
 )
+from gemma_engine.gguf_check import check_gguf
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR_ENV = "GEMMA_ENGINE_DEFAULT_MODEL_DIR"
@@ -108,6 +111,9 @@ def _open(path: Path) -> Any:
             f"{path} is not a GGUF file: it starts with {magic!r}, not b'GGUF'. It is corrupted "
             "or in another format; download or assemble it again."
         )
+    # The reader trusts the counts and lengths in the file (an array of 2^63 elements makes it
+    # loop forever): walk the header with every length bounded first.
+    check_gguf(path)
     try:
         reader = gguf.GGUFReader(path)
         # The reader maps tensors lazily, so a file cut short may still open.
@@ -125,12 +131,32 @@ def _open(path: Path) -> Any:
     return reader
 
 
-def _metadata(reader: Any, key: str, default: Any = KeyError) -> Any:
+# What a metadata value must be, as GGUF value type ids (gguf_check.VALUE_TYPES); lists are
+# arrays of those. bool is not an int here, nor an int a string.
+_INTS = frozenset({0, 1, 2, 3, 4, 5, 10, 11})
+_KINDS: dict[str, frozenset[int]] = {
+    "int": _INTS,
+    "float": frozenset({6, 12}),  # FLOAT32, FLOAT64: as llama.cpp, no int read as a float
+    "str": frozenset({8}),
+    "bool": frozenset({7}),
+}
+
+
+def _metadata(reader: Any, key: str, default: Any = KeyError, kind: str = "int") -> Any:
+    """The value of metadata ``key``, which must be of ``kind`` ("int", "float", "str", "bool",
+    or one of those + "[]" for an array)."""
     field = reader.fields.get(key)
     if field is None:
         if default is KeyError:
             raise CheckpointError(f"The GGUF file has no `{key}` metadata, which Gemma needs.")
         return default
+    array = kind.endswith("[]")
+    types = [int(t) for t in field.types]
+    if (types[:1] == [9]) != array or types[-1] not in _KINDS[kind.removesuffix("[]")]:
+        raise CheckpointError(
+            f"The GGUF metadata `{key}` is {'/'.join(t.name for t in field.types)}, not the "
+            f"{kind} Gemma needs; the file is corrupted or was not written for Gemma."
+        )
     value = field.contents()
     # GGUF stores floats as float32; its shortest repr gives back the intended decimal (1e-06).
     return float(str(np.float32(value))) if isinstance(value, float) else value
@@ -139,10 +165,26 @@ def _metadata(reader: Any, key: str, default: Any = KeyError) -> Any:
 def _hf_config(reader: Any, arch: str, vocab_size: int, tied: bool) -> dict[str, Any]:
     """Derives config.json from GGUF metadata, filling in what llama.cpp leaves implicit."""
 
-    def md(key: str, default: Any = KeyError) -> Any:
-        return _metadata(reader, f"{arch}.{key}", default)
+    def md(key: str, default: Any = KeyError, kind: str = "int") -> Any:
+        return _metadata(reader, f"{arch}.{key}", default, kind)
 
     hidden, heads, layers = md("embedding_length"), md("attention.head_count"), md("block_count")
+    # Bounded before anything is computed from them (a division, a list of layers).
+    sizes = {"hidden_size": hidden, "num_attention_heads": heads, "num_hidden_layers": layers}
+    gguf_names = {
+        "hidden_size": f"{arch}.embedding_length",
+        "num_attention_heads": f"{arch}.attention.head_count",
+        "num_hidden_layers": f"{arch}.block_count",
+        "head_dim": f"{arch}.attention.key_length",
+        "intermediate_size": f"{arch}.feed_forward_length",
+        "num_key_value_heads": f"{arch}.attention.head_count_kv",
+        "max_position_embeddings": f"{arch}.context_length",
+        "rms_norm_eps": f"{arch}.attention.layer_norm_rms_epsilon",
+        "rope_theta": f"{arch}.rope.freq_base",
+        "sliding_window": f"{arch}.attention.sliding_window",
+        "vocab_size": "the rows of token_embd.weight",
+    }
+    check_hf_config(sizes, "the GGUF file", gguf_names)
     head_dim = md("attention.key_length", hidden // heads)
     config: dict[str, Any] = {
         "architectures": [_HF_ARCHITECTURES.get(arch, "Gemma3ForCausalLM")],
@@ -155,8 +197,8 @@ def _hf_config(reader: Any, arch: str, vocab_size: int, tied: bool) -> dict[str,
         "num_key_value_heads": md("attention.head_count_kv", heads),
         "head_dim": head_dim,
         "max_position_embeddings": md("context_length"),
-        "rms_norm_eps": md("attention.layer_norm_rms_epsilon"),
-        "rope_theta": md("rope.freq_base", 10000.0),
+        "rms_norm_eps": md("attention.layer_norm_rms_epsilon", kind="float"),
+        "rope_theta": md("rope.freq_base", 10000.0, kind="float"),
         "hidden_activation": "gelu_pytorch_tanh",  # Gemma's tanh-approximated GELU
         "attention_bias": False,
         "tie_word_embeddings": tied,
@@ -166,6 +208,7 @@ def _hf_config(reader: Any, arch: str, vocab_size: int, tied: bool) -> dict[str,
     }
     if arch == "gemma":
         config["hidden_act"] = "gelu_pytorch_tanh"  # Gemma 1 configs name it this way too
+        check_hf_config(config, "the GGUF file", gguf_names)
         return config
     # Neither the query scale nor the layer pattern is in the file. llama.cpp (llama-model.cpp)
     # scales by 1/sqrt(hidden/heads) for the 27B models (46 or 62 layers), else by head_dim.
@@ -176,8 +219,9 @@ def _hf_config(reader: Any, arch: str, vocab_size: int, tied: bool) -> dict[str,
         config["layer_types"] = [
             "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
         ]
-        config["attn_logit_softcapping"] = md("attn_logit_softcapping", None)
-        config["final_logit_softcapping"] = md("final_logit_softcapping", None)
+        config["attn_logit_softcapping"] = md("attn_logit_softcapping", None, "float")
+        config["final_logit_softcapping"] = md("final_logit_softcapping", None, "float")
+        check_hf_config(config, "the GGUF file", gguf_names)
         return config
     # Gemma 3: five local layers (rope theta 10k) then one global (rope.freq_base). The
     # converter writes no sliding window when a model has only global layers.
@@ -187,33 +231,34 @@ def _hf_config(reader: Any, arch: str, vocab_size: int, tied: bool) -> dict[str,
         "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)
     ]
     config["rope_local_base_freq"] = 10000.0
-    scaling_type = md("rope.scaling.type", None)
+    scaling_type = md("rope.scaling.type", None, "str")
     config["rope_scaling"] = (
         None
         if scaling_type in (None, "none")
-        else {"rope_type": scaling_type, "factor": md("rope.scaling.factor")}
+        else {"rope_type": scaling_type, "factor": md("rope.scaling.factor", kind="float")}
     )
     config["attn_logit_softcapping"] = None  # removed in Gemma 3
-    config["final_logit_softcapping"] = md("final_logit_softcapping", None)
+    config["final_logit_softcapping"] = md("final_logit_softcapping", None, "float")
+    check_hf_config(config, "the GGUF file", gguf_names)
     return config
 
 
-def _tokenizer_model(reader: Any) -> bytes:
+def _tokenizer_model(
+    reader: Any, vocab: tuple[list[str], list[float], list[int], dict[str, int]]
+) -> bytes:
     """Rebuilds Gemma's SentencePiece BPE model from the vocabulary stored in the GGUF."""
     from sentencepiece import sentencepiece_model_pb2 as sp_pb2
 
-    kind = _metadata(reader, "tokenizer.ggml.model")
+    kind = _metadata(reader, "tokenizer.ggml.model", kind="str")
     if kind != "llama":
         raise UnsupportedModelError(
             f"The GGUF's tokenizer is {kind!r}; only SentencePiece ('llama') vocabularies, "
             "as in Google's Gemma releases, are supported."
         )
-    tokens = _metadata(reader, "tokenizer.ggml.tokens")
-    scores = _metadata(reader, "tokenizer.ggml.scores")
-    types = _metadata(reader, "tokenizer.ggml.token_type")
+    tokens, scores, types, ids = vocab
     proto = sp_pb2.ModelProto()
     piece_type = sp_pb2.ModelProto.SentencePiece
-    unk_id = _metadata(reader, "tokenizer.ggml.unknown_token_id", 3)
+    unk_id = ids["unk"]
     for i, (piece, score, kind_id) in enumerate(zip(tokens, scores, types, strict=True)):
         # GGUF token types are SentencePiece's piece types, number for number, but the converter
         # re-types every "special" added token as control, <unk> included; SentencePiece wants
@@ -234,17 +279,60 @@ def _tokenizer_model(reader: Any) -> bytes:
     trainer.allow_whitespace_only_pieces = True
     trainer.treat_whitespace_as_suffix = False
     trainer.unk_id = unk_id
-    trainer.bos_id = _metadata(reader, "tokenizer.ggml.bos_token_id", 2)
-    trainer.eos_id = _metadata(reader, "tokenizer.ggml.eos_token_id", 1)
-    trainer.pad_id = _metadata(reader, "tokenizer.ggml.padding_token_id", 0)
+    trainer.bos_id, trainer.eos_id, trainer.pad_id = ids["bos"], ids["eos"], ids["pad"]
     for field in ("unk", "bos", "eos", "pad"):
         setattr(trainer, f"{field}_piece", tokens[getattr(trainer, f"{field}_id")])
     norm = proto.normalizer_spec
     norm.name = "identity"
-    norm.add_dummy_prefix = bool(_metadata(reader, "tokenizer.ggml.add_space_prefix", False))
+    norm.add_dummy_prefix = _metadata(reader, "tokenizer.ggml.add_space_prefix", False, "bool")
     norm.remove_extra_whitespaces = False
     norm.escape_whitespaces = True
     return proto.SerializeToString()
+
+
+# SentencePiece refuses pieces over its own limit (0.2.2+); Gemma's longest is 93 bytes. A
+# longer one is refused here, before a ModelProto is built (sentencepiece#1263: a piece of
+# ~100 KB crashed 0.2.1 at load in that report).
+MAX_PIECE_BYTES = 2048
+# SentencePiece piece types (sentencepiece_model.proto): NORMAL 1 ... BYTE 6.
+_PIECE_TYPES = range(1, 7)
+
+
+def _vocabulary(reader: Any) -> tuple[list[str], list[float], list[int], dict[str, int]]:
+    """The GGUF's tokens, scores, types and special ids, checked against each other."""
+    tokens = _metadata(reader, "tokenizer.ggml.tokens", kind="str[]")
+    scores = _metadata(reader, "tokenizer.ggml.scores", kind="float[]")
+    types = _metadata(reader, "tokenizer.ggml.token_type", kind="int[]")
+    if not tokens or not len(tokens) == len(scores) == len(types):
+        raise CheckpointError(
+            f"The GGUF vocabulary is inconsistent: {len(tokens)} tokens, {len(scores)} scores "
+            f"and {len(types)} token types; the file is corrupted."
+        )
+    for i, (piece, score, kind) in enumerate(zip(tokens, scores, types, strict=True)):
+        if not piece or "\0" in piece or len(piece.encode()) > MAX_PIECE_BYTES:
+            raise CheckpointError(
+                f"The GGUF token {i} is empty, holds a NUL or is over {MAX_PIECE_BYTES} bytes "
+                f"({len(piece.encode()):,}); the file is corrupted or crafted."
+            )
+        if not math.isfinite(score) or kind not in _PIECE_TYPES:
+            raise CheckpointError(
+                f"The GGUF token {i} has score {score} and type {kind}; scores must be finite "
+                "and types 1-6. The file is corrupted."
+            )
+    ids = {}
+    for name, key, default in (
+        ("unk", "unknown_token_id", 3),
+        ("bos", "bos_token_id", 2),
+        ("eos", "eos_token_id", 1),
+        ("pad", "padding_token_id", 0),
+    ):
+        ids[name] = _metadata(reader, f"tokenizer.ggml.{key}", default)
+        if not 0 <= ids[name] < len(tokens):
+            raise CheckpointError(
+                f"The GGUF metadata tokenizer.ggml.{key} is {ids[name]}, outside the "
+                f"vocabulary of {len(tokens)} tokens; the file is corrupted."
+            )
+    return tokens, scores, types, ids
 
 
 def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFCheckpoint:
@@ -252,22 +340,32 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFCheck
     gguf = _import_gguf()
     path = Path(path)
     reader = _open(path)
-    arch = _metadata(reader, "general.architecture")
+    arch = _metadata(reader, "general.architecture", kind="str")
     if arch not in _MODEL_TYPES:
         raise UnsupportedModelError(
             f"{path} is a {arch!r} model; only gemma, gemma2 and gemma3 GGUF files are supported."
         )
     block_names = _GEMMA1_BLOCK_NAMES if arch == "gemma" else _BLOCK_NAMES
+    # Names, the config and the vocabulary are checked before any tensor is dequantized.
+    names = {tensor.name: _hf_name(tensor.name, block_names, path) for tensor in reader.tensors}
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embed is None or len(embed.shape) != 2:
+        raise CheckpointError(f"{path} has no 2-D token_embd.weight tensor.")
+    tied = "output.weight" not in names
+    config = _hf_config(reader, arch, vocab_size=int(embed.shape[1]), tied=tied)
+    _check_complete(path, set(names.values()), config)
+    if len(set(names.values())) != len(names):
+        raise CheckpointError(f"{path} has two tensors for the same weight; it is corrupted.")
+    vocab = _vocabulary(reader)
+    tokens = vocab[0]
+    if len(tokens) > config["vocab_size"]:
+        raise CheckpointError(
+            f"{path} has {len(tokens):,} tokens but token_embd.weight has only "
+            f"{config['vocab_size']:,} rows; the file is corrupted."
+        )
     state_dict: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
-        stem, _, suffix = tensor.name.rpartition(".")
-        parts = stem.split(".")
-        if len(parts) == 3 and parts[0] == "blk" and parts[2] in block_names:
-            name = f"model.layers.{parts[1]}.{block_names[parts[2]]}.{suffix}"
-        elif stem in _TOP_NAMES:
-            name = f"{_TOP_NAMES[stem]}.{suffix}"
-        else:
-            raise CheckpointError(f"{path} has a tensor this engine does not know: {tensor.name}")
+        name = names[tensor.name]
         try:
             array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         except (NotImplementedError, ValueError) as e:
@@ -286,14 +384,7 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFCheck
         # Q and K are not permuted for Gemma: llama.cpp runs it with NEOX-style RoPE, the same
         # rotate-half layout as HF, so the converter writes them unchanged.
         state_dict[name] = weight.to(dtype)
-    embed = state_dict.get("model.embed_tokens.weight")
-    if embed is None:
-        raise CheckpointError(f"{path} has no token_embd.weight tensor.")
-    tied = "lm_head.weight" not in state_dict
-    config = _hf_config(reader, arch, vocab_size=embed.shape[0], tied=tied)
-    _check_complete(path, state_dict, config)
-    tokenizer_model = _tokenizer_model(reader)
-    tokens = _metadata(reader, "tokenizer.ggml.tokens")
+    tokenizer_model = _tokenizer_model(reader, vocab)
     # Google's Gemma releases also stop at <end_of_turn>, which the GGUF does not record.
     eos = [config["eos_token_id"]]
     if "<end_of_turn>" in tokens and tokens.index("<end_of_turn>") not in eos:
@@ -306,7 +397,17 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFCheck
     return GGUFCheckpoint(config, state_dict, tokenizer_model, generation_config)
 
 
-def _check_complete(path: Path, state_dict: dict[str, torch.Tensor], config: dict) -> None:
+def _hf_name(gguf_name: str, block_names: dict[str, str], path: Path) -> str:
+    stem, _, suffix = gguf_name.rpartition(".")
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in block_names:
+        return f"model.layers.{parts[1]}.{block_names[parts[2]]}.{suffix}"
+    if stem in _TOP_NAMES:
+        return f"{_TOP_NAMES[stem]}.{suffix}"
+    raise CheckpointError(f"{path} has a tensor this engine does not know: {gguf_name}")
+
+
+def _check_complete(path: Path, present: set[str], config: dict) -> None:
     names = ["input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
     names += ["self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
     names += ["post_attention_layernorm"]
@@ -317,7 +418,7 @@ def _check_complete(path: Path, state_dict: dict[str, torch.Tensor], config: dic
     expected = {"model.embed_tokens.weight", "model.norm.weight"}
     for i in range(config["num_hidden_layers"]):
         expected |= {f"model.layers.{i}.{n}.weight" for n in names}
-    missing = sorted(expected - state_dict.keys())
+    missing = sorted(expected - present)
     if missing:
         raise CheckpointError(f"{path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
 

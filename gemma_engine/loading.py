@@ -6,7 +6,6 @@ file can run arbitrary code when loaded, so it is refused, never opened.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,8 +15,15 @@ import torch
 from . import quant
 from .config import AttentionType, GemmaConfig
 from .errors import CheckpointError, CheckpointNotFoundError, InvalidRequestError, OutOfMemoryError
+from .file_checks import (
+    check_weight_dtype,
+    read_generation_config,
+    read_json,
+    read_safetensors,
+    shard_files,
+)
 from .model import GemmaForCausalLM, ring_size
-from .quant import QUANT_BUFFERS, quantize_model
+from .quant import QUANT_BUFFERS, check_saved, quantize_model
 from .tokenizer import Tokenizer
 
 # Longest cache allocated when the caller does not ask: long enough for real use on a laptop,
@@ -38,14 +44,6 @@ FIRST_BUCKET = 256
 # prefill runs eagerly because prompt lengths vary and its matmuls are already large.
 PREFILL_CHUNK = 512
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
 
 _HUB_FILES = [
     "config.json",
@@ -155,10 +153,8 @@ def read_checkpoint(path: Path, dtype: torch.dtype) -> Checkpoint:
         raise CheckpointNotFoundError(
             f"{path} has no config.json; is it a Hugging Face checkpoint?"
         )
-    try:
-        config = json.loads(config_file.read_text())
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{config_file} is not valid JSON: {err}") from None
+    config = read_json(config_file)
+    check_saved(config)
     tokenizer = path / "tokenizer.model"  # SentencePiece; Gemma 4 ships tokenizer.json only
     if not tokenizer.is_file():
         tokenizer = path / "tokenizer.json"
@@ -166,19 +162,16 @@ def read_checkpoint(path: Path, dtype: torch.dtype) -> Checkpoint:
         raise CheckpointNotFoundError(
             f"{path} has no tokenizer.model (SentencePiece) or tokenizer.json (Hugging Face)"
         )
-    gen_file = path / "generation_config.json"
-    gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+    gen = read_generation_config(path / "generation_config.json")
     return Checkpoint(config, _read_safetensors(path, dtype), tokenizer, gen)
 
 
 def _read_safetensors(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError, safe_open
-
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        shards = shard_files(index, folder)
     elif (folder / "model.safetensors").is_file():
-        shards = ["model.safetensors"]
+        shards = [folder / "model.safetensors"]
     else:
         pickles = sorted(p.name for p in folder.iterdir() if p.suffix in _PICKLE_SUFFIXES)
         if pickles:
@@ -188,18 +181,7 @@ def _read_safetensors(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tenso
         )
     tensors: dict[str, torch.Tensor] = {}
     for shard in shards:
-        file = folder / shard
-        if not file.is_file():
-            raise CheckpointNotFoundError(f"{file} is listed in the index but missing")
-        try:
-            with safe_open(file, framework="pt") as f:  # memory-mapped: no copy when dtypes match
-                for name in f.keys():
-                    tensors[name] = f.get_tensor(name)
-        except SafetensorError as err:
-            raise CheckpointError(
-                f"{file} is not a valid safetensors file ({err}); it may be truncated: "
-                "download or convert it again"
-            ) from None
+        tensors.update(read_safetensors(shard))
     for name, tensor in tensors.items():
         if tensor.dtype.is_floating_point and not _is_quant_buffer(name, tensors):
             tensors[name] = tensor.to(dtype)
@@ -280,6 +262,7 @@ def build_model(
                 f"but config.json implies {tuple(shape)}"
             )
         want = metas[name].dtype
+        check_weight_dtype(name, state[name], want)
         if not want.is_floating_point and state[name].dtype != want:  # quantized weights
             raise CheckpointError(
                 f"tensor {name} is {state[name].dtype} but a quantized checkpoint stores "
@@ -336,6 +319,7 @@ def load(
     chunk = _check_whole("prefill_chunk", PREFILL_CHUNK if prefill_chunk is None else prefill_chunk)
     max_batch = _fit_max_batch(max_batch, config, max_seq_len, chunk, dtype, device)
     tokenizer = Tokenizer(ckpt.tokenizer_model)
+    tokenizer.check_fits(config.vocab_size)
     if saved:
         quantized = (saved["method"], saved.get("group_size"))
         net = build_model(config, ckpt.tensors, device, dtype, quantized)
@@ -367,14 +351,6 @@ def default_buckets(max_seq_len: int) -> list[int]:
         buckets.append(n)
         n *= 2
     return [*buckets, max_seq_len]
-
-
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in _DTYPES:
-        raise InvalidRequestError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
-    return _DTYPES[dtype]
 
 
 def _check_whole(name: str, value: object) -> int:

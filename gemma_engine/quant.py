@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import cpu
-from .errors import InvalidRequestError
+from .errors import CheckpointError, InvalidRequestError
 from .model import Experts, one_token_on_cpu_compiled, rows_on_cpu_compiled
 
 METHODS = ("none", "int8", "int4")
@@ -95,6 +95,23 @@ def check_supported(model: nn.Module, method: str) -> None:
         raise InvalidRequestError(
             f"quantize={method!r} does not cover the experts of a mixture-of-experts model "
             "(Gemma 4 26B-A4B); load it without quantize (--quantize none)"
+        )
+
+
+def check_saved(config: dict) -> None:
+    """The quantization entry save_pretrained writes into config.json, if there is one."""
+    saved = config.get(CONFIG_KEY)
+    if saved is None:
+        return
+    group = saved.get("group_size") if isinstance(saved, dict) else None
+    if (
+        not isinstance(saved, dict)
+        or saved.get("method") not in METHODS[1:]
+        or not (group is None or type(group) is int and 8 <= group <= 1 << 16)
+    ):
+        raise CheckpointError(
+            f"config.json: {CONFIG_KEY} is {saved!r:.80}; save_pretrained writes "
+            '{"method": "int8" or "int4", "group_size": null or a multiple of 8}'
         )
 
 

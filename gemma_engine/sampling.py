@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from .errors import InvalidRequestError
+from .inputs import MAX_SEED, MIN_TEMPERATURE, real_number, whole_number
 
 
 @dataclass(frozen=True)
@@ -19,16 +19,22 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        t = self.temperature
-        if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {t!r}")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
-            raise InvalidRequestError(f"top_k must be a whole number >= 1, got {self.top_k!r}")
-        p = self.top_p
-        if p is not None and (not isinstance(p, (int, float)) or not 0 < p <= 1):
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise InvalidRequestError(f"seed must be a whole number >= 0, got {self.seed!r}")
+        # Normalized in place (a numpy int seed becomes an int); bools and NaN are refused.
+        t = real_number(self.temperature, "temperature")
+        if t < 0 or 0 < t < MIN_TEMPERATURE:
+            raise InvalidRequestError(
+                f"temperature must be 0 (greedy) or from {MIN_TEMPERATURE} up, got {t!r}"
+            )
+        object.__setattr__(self, "temperature", t)
+        if self.top_k is not None:
+            object.__setattr__(self, "top_k", whole_number(self.top_k, "top_k", 1))
+        if self.top_p is not None:
+            p = real_number(self.top_p, "top_p")
+            if not 0 < p <= 1:
+                raise InvalidRequestError(f"top_p must be in (0, 1], got {p!r}")
+            object.__setattr__(self, "top_p", p)
+        if self.seed is not None:
+            object.__setattr__(self, "seed", whole_number(self.seed, "seed", 0, MAX_SEED))
 
     @property
     def greedy(self) -> bool:

@@ -7,25 +7,35 @@ Hugging Face ``tokenizer.json``, read with the ``tokenizers`` library. Both sit 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import sentencepiece as spm
 
 from .errors import CheckpointError
+from .file_checks import MAX_TOKENIZER_BYTES, check_size, read_json
+from .inputs import check_text
 
 
 class _SentencePiece:
     def __init__(self, model: str | Path | bytes) -> None:
+        # sentencepiece >= 0.2.2 refuses over-long pieces itself (pyproject.toml says why).
+        what = "the SentencePiece tokenizer" if isinstance(model, bytes) else str(model)
         try:
             if isinstance(model, bytes):
+                if not model:
+                    raise RuntimeError("the model is empty")
                 self.sp = spm.SentencePieceProcessor(model_proto=model)
             else:
+                check_size(Path(model), MAX_TOKENIZER_BYTES)
                 self.sp = spm.SentencePieceProcessor(model_file=str(model))
         except (OSError, RuntimeError) as err:
-            raise CheckpointError(f"cannot load the SentencePiece tokenizer: {err}") from None
+            raise CheckpointError(
+                f"cannot load {what}: {err}; it is corrupted or not a SentencePiece model"
+            ) from None
         self.bos_id, self.eos_id = self.sp.bos_id(), self.sp.eos_id()
         self.vocab_size = self.sp.get_piece_size()
+        if self.vocab_size < 1 or self.bos_id < 0 or self.eos_id < 0:
+            raise CheckpointError(f"{what} defines no BOS or EOS piece; Gemma's has both")
 
     def encode(self, text: str) -> list[int]:
         return self.sp.encode(text)  # control pieces are never matched in raw text
@@ -41,21 +51,14 @@ class _SentencePiece:
         return {"tokenizer.model": self.sp.serialized_model_proto()}
 
 
-# Gemma 4's tokenizer.json is 32 MB; a file far larger than any real one is refused unread.
-_MAX_TOKENIZER_JSON_BYTES = 1 << 30
-
-
 class _TokenizerJson:
     def __init__(self, path: Path) -> None:
         from tokenizers import Tokenizer as HFTokenizer
 
         self.path = path
+        check_size(path, MAX_TOKENIZER_BYTES)  # Gemma 4's is 32 MB
         try:
-            if path.stat().st_size > _MAX_TOKENIZER_JSON_BYTES:
-                raise CheckpointError(f"{path} is over 1 GiB; it is not a tokenizer")
             self.tok = HFTokenizer.from_file(str(path))
-        except CheckpointError:
-            raise
         except Exception as err:  # OSError, or the plain Exception tokenizers raises
             raise CheckpointError(f"cannot load the tokenizer {path}: {err}") from None
         # Special tokens in raw text are encoded as text, never as the special token, as
@@ -92,10 +95,7 @@ def _special_names(config_file: Path) -> dict[str, str]:
     """BOS/EOS token names from tokenizer_config.json where it names them; Gemma's otherwise."""
     names = {"bos_token": "<bos>", "eos_token": "<eos>"}
     if config_file.is_file():
-        try:
-            config = json.loads(config_file.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise CheckpointError(f"{config_file} is not valid JSON: {err}") from None
+        config = read_json(config_file)
         for key in names:
             value = config.get(key)
             if isinstance(value, dict):  # the older AddedToken form
@@ -118,10 +118,19 @@ class Tokenizer:
         self.vocab_size = self._impl.vocab_size
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        check_text(text)
         # Control pieces such as <start_of_turn> are never matched in raw text: templates insert
         # them by id (see special_id), so user text cannot forge a turn.
         ids = self._impl.encode(text)
         return [self.bos_id, *ids] if add_bos else ids
+
+    def check_fits(self, model_vocab_size: int) -> None:
+        """Every id this tokenizer produces must be a row of the model's embedding."""
+        if self.vocab_size > model_vocab_size:
+            raise CheckpointError(
+                f"the tokenizer has {self.vocab_size:,} pieces but the model's vocabulary only "
+                f"{model_vocab_size:,}; the tokenizer belongs to another model"
+            )
 
     def decode(self, ids: list[int]) -> str:
         # Models may pad their vocabulary past the tokenizer's (Gemma 3 4b+: 262,208 vs

@@ -281,3 +281,14 @@ def tiny_new_checkpoints(
         tokenizer = json_tokenizer_file if kind.startswith("gemma4") else tokenizer_file
         out[kind] = (folder, save_tiny_new(kind, folder, tokenizer))
     return out
+
+
+# -- hostile inputs ----------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def hostile_server():
+    """A fork server that runs each hostile case in a fresh, memory-limited process."""
+    from hostile import Server
+
+    server = Server()
+    yield server
+    server.close()
