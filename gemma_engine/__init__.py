@@ -10,7 +10,6 @@ from .errors import (
     OutOfMemoryError,
     UnsupportedModelError,
 )
-from .request import Request
 from .tokenizer import Tokenizer
 
 __all__ = [
@@ -22,7 +21,6 @@ __all__ = [
     "Generation",
     "InvalidRequestError",
     "OutOfMemoryError",
-    "Request",
     "Tokenizer",
     "UnsupportedModelError",
 ]
