@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gemma_engine.config import check_hf_config
+from gemma_engine.config_checks import check_hf_config
 from gemma_engine.errors import (
     CheckpointError,
     CheckpointNotFoundError,
