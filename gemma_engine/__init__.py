@@ -10,6 +10,7 @@ from .errors import (
     OutOfMemoryError,
     UnsupportedModelError,
 )
+from .request import Request
 from .tokenizer import Tokenizer
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "Generation",
     "InvalidRequestError",
     "OutOfMemoryError",
+    "Request",
     "Tokenizer",
     "UnsupportedModelError",
 ]

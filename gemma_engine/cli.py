@@ -41,6 +41,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: fp32 CPU, bf16 CUDA)")
     p.add_argument("--max-seq-len", type=int, help="KV cache length in tokens")
     p.add_argument(
+        "--max-batch",
+        type=int,
+        help="sequences the cache holds at once (default: 4, fewer if they do not fit)",
+    )
+    p.add_argument(
         "--buckets",
         type=_bucket_list,
         help="comma-separated decode bucket lengths (default: powers of two from 256)",
@@ -76,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device,
             dtype=args.dtype,
             max_seq_len=args.max_seq_len,
+            max_batch=args.max_batch,
             compile=not args.no_compile,
             buckets=args.buckets,
             quantize=args.quantize,

@@ -1,9 +1,12 @@
-"""The engine: loads a checkpoint, owns the compiled decode graphs, and generates text.
+"""The engine: owns the model, its compiled decode graphs and the scheduler; generates text.
 
-Decode reads the KV cache only up to the current length rounded up to a bucket. Each bucket is
-one compiled graph (``torch.compile(mode="reduce-overhead", fullgraph=True, dynamic=False)``):
-shapes inside a graph are static, so CUDA graphs apply, and a step never pays for the unused
-tail of the cache beyond its bucket.
+Decode reads the KV cache only up to the longest running sequence's length rounded up to a
+bucket. Each (batch bucket, kv bucket) pair is one compiled graph
+(``torch.compile(mode="reduce-overhead", fullgraph=True, dynamic=False)``): shapes inside a
+graph are static, so CUDA graphs apply, and a step never pays for the unused tail of the cache
+beyond its bucket. Requests are queued, admitted into cache rows (slots.py) and stepped
+together by the scheduler (scheduler.py), on a background thread; ``submit`` returns a handle
+at once, and ``generate``, ``stream`` and ``score`` are clients of the same machinery.
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,48 +24,18 @@ import torch
 from torch import Tensor
 
 from . import cpu, quant
-from .config import AttentionType, GemmaConfig
-from .errors import InvalidRequestError, OutOfMemoryError
-from .inputs import (
-    check_device,
-    check_dtype,
-    check_generation_args,
-    check_token_ids,
-    parse_dtype,  # noqa: F401  (also imported from here by scripts)
-)
-from .loading import build_model, read_checkpoint, resolve
+from .config import GemmaConfig
+from .errors import InvalidRequestError
+from .inputs import check_device, check_dtype, check_generation_args, check_token_ids, parse_dtype
+from .loading import default_buckets, load  # noqa: F401 (re-exported)
 from .model import GemmaForCausalLM
-from .sampling import SamplingParams, sample
+from .request import Generation, Request
+from .sampling import SamplingParams
+from .scheduler import Scheduler
+from .slots import batch_buckets
 from .tokenizer import IncrementalDecoder, Tokenizer
 
-# Longest cache allocated when the caller does not ask: long enough for real use on a laptop,
-# and a 32k-position model's global layers would otherwise reserve memory nobody uses.
-DEFAULT_MAX_SEQ_LEN = 8192
-# Buckets double from here. Below a few hundred positions attention is a sliver of a step's
-# cost, while every bucket costs a compile; doubling wastes at most half of a step's cache read
-# and keeps the number of graphs logarithmic (6 up to 8192).
-FIRST_BUCKET = 256
-# Prompts are prefilled in chunks of this many tokens, which bounds the attention scores'
-# memory; the prefill runs eagerly because prompt lengths vary and its matmuls are already large.
-PREFILL_CHUNK = 512
-
 Prompt = str | list[int]
-
-
-@dataclass
-class Generation:
-    text: str
-    token_ids: list[int]  # new tokens only, an EOS token included when one ended the text
-    finish_reason: str  # "stop" (EOS or a stop string) or "length"
-    stats: dict[str, Any] = field(default_factory=dict)
-
-
-def default_buckets(max_seq_len: int) -> list[int]:
-    buckets, n = [], FIRST_BUCKET
-    while n < max_seq_len:
-        buckets.append(n)
-        n *= 2
-    return [*buckets, max_seq_len]
 
 
 class Engine:
@@ -77,31 +49,32 @@ class Engine:
         compile: bool,
         buckets: list[int],
         eos_token_ids: set[int],
+        max_batch: int = 1,
+        prefill_chunk: int = 512,
     ) -> None:
+        """``model``'s cache must hold ``max_batch`` rows (``setup_cache``)."""
         self.model = model
         self.config: GemmaConfig = model.config
         self.tokenizer = tokenizer
         self.max_seq_len = model.max_seq_len
         self.buckets = buckets
+        self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
         self.eos_token_ids = eos_token_ids
         self.device = model.model.embed_tokens.weight.device
         self.compile = compile
-        self.compile_seconds: dict[int, float] = {}  # bucket -> seconds its first call took
-        self.last_stats: dict[str, Any] = {}  # stats of the latest generation, even a stream's
+        # (batch bucket, kv bucket) -> seconds its first call took (it compiled the graph)
+        self.compile_seconds: dict[tuple[int, int], float] = {}
+        self.last_stats: dict[str, Any] = {}  # stats of the latest request, even a stream's
         self.quantization: tuple[str, int | None] | None = None  # (method, group size)
         self._source: Any = None  # the Checkpoint loaded, less its tensors (save_pretrained)
-        self.overlap_steps = self.device.type == "cuda"  # see _token_stream
         if compile:
             cpu.isolate_compile_cache()
-            # One graph per bucket: kv_len is a Python int, so each new value compiles once.
-            # Dynamo counts graphs per code object, shared by every engine in the process, so
-            # the limit grows by this engine's buckets.
-            Engine._graphs_allowed += len(buckets)
-            dynamo = torch._dynamo.config
-            dynamo.recompile_limit = max(dynamo.recompile_limit, Engine._graphs_allowed)
-            dynamo.accumulated_recompile_limit = max(
-                dynamo.accumulated_recompile_limit, Engine._graphs_allowed
-            )
+            # One graph per (batch, kv) bucket pair: shapes and kv_len are static, so each new
+            # pair compiles once. Dynamo counts graphs per code object, shared by every engine
+            # in the process, so the limit grows by this engine's pairs.
+            # (Dynamo's and inductor's settings are per thread: step() applies them.)
+            Engine._graphs_allowed += len(buckets) * len(batch_buckets(max_batch))
             for layer in model.model.layers:  # CUDA graphs may keep these addresses fixed
                 if (cache := layer.self_attn.cache) is not None:  # KV-shared layers have none
                     torch._dynamo.mark_static_address(cache.k)
@@ -117,6 +90,7 @@ class Engine:
             # bytes as decode does. Float weights keep MKL's GEMV here: tens of milliseconds,
             # against a compile of up to 12 s before a fresh process's first token.
             self._head = torch.compile(model.logits, fullgraph=True, dynamic=False)
+        self.scheduler = Scheduler(self)
 
     @classmethod
     def from_pretrained(
@@ -130,68 +104,42 @@ class Engine:
         buckets: list[int] | None = None,
         quantize: str | None = None,
         group_size: int | None = None,
+        max_batch: int | None = None,
+        prefill_chunk: int | None = None,
     ) -> Engine:
         """Load ``model`` (a folder, a .gguf file, a hub id, or None for the default model).
 
         ``quantize`` ("none", "int8" or "int4", with ``group_size`` for int4) stores the
         weights in fewer bits (see quant.py); a checkpoint saved by ``save_pretrained`` after
-        quantizing loads as it was saved.
+        quantizing loads as it was saved. ``max_batch`` sequences are decoded at once (default
+        4, fewer if their cache would not fit); ``prefill_chunk`` (default 512) bounds how many
+        prompt tokens run between two decode steps.
         """
         device = check_device(device)
         dtype = parse_dtype(dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32))
         check_dtype(dtype, device)
-        ckpt = read_checkpoint(resolve(model), dtype)
-        config = GemmaConfig.from_hf(ckpt.config)
-        with torch.device("meta"):  # the layers quantization would replace, with no weights
-            skeleton = GemmaForCausalLM(config)
-        method, group_size = quant.check_quantize(
-            quantize, group_size, quant.input_widths(skeleton)
-        )
-        quant.check_supported(skeleton, method)
-        saved = ckpt.config.get(quant.CONFIG_KEY)
-        if saved and method not in ("none", saved["method"]):
-            raise InvalidRequestError(
-                f"this checkpoint is already quantized ({saved['method']}); load it without "
-                "quantize, or quantize from the original weights"
-            )
-        max_seq_len = _check_max_seq_len(max_seq_len, config)
-        buckets = _check_buckets(buckets, max_seq_len)
-        _check_cache_fits(config, max_seq_len, dtype, device)
-        tokenizer = Tokenizer(ckpt.tokenizer_model)
-        tokenizer.check_fits(config.vocab_size)
-        if saved:
-            quantized = (saved["method"], saved.get("group_size"))
-            net = build_model(config, ckpt.tensors, device, dtype, quantized)
-        else:
-            net = build_model(config, ckpt.tensors, device, dtype)
-            if method != "none":
-                quant.quantize_model(net, method, group_size, dtype)
-                quantized = (method, group_size)
-            else:
-                quantized = None
-        del ckpt.tensors  # the model holds what it needs
-        if quantized is not None:
-            if device.type == "cpu":
-                quant.to_kernel_layout(net)
-            quant.warn_if_slow(quantized[0], device)
-        net.setup_cache(max_seq_len)
-        eos = set(config.eos_token_ids)
-        gen_eos = ckpt.generation_config.get("eos_token_id")
-        eos.update(
-            gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []
-        )
-        for end in ("<end_of_turn>", "<turn|>"):  # a finished turn ends the text, as in HF
-            if tokenizer.has_piece(end):
-                eos.add(tokenizer.special_id(end))
-        engine = cls(
-            net,
-            tokenizer,
-            compile=True if compile is None else compile,
+        loaded = load(
+            model,
+            device=device,
+            dtype=dtype,
+            max_seq_len=max_seq_len,
             buckets=buckets,
-            eos_token_ids=eos,
+            quantize=quantize,
+            group_size=group_size,
+            max_batch=max_batch,
+            prefill_chunk=prefill_chunk,
         )
-        engine.quantization = quantized
-        engine._source = ckpt  # config and tokenizer, for save_pretrained
+        engine = cls(
+            loaded.model,
+            loaded.tokenizer,
+            compile=True if compile is None else compile,
+            buckets=loaded.buckets,
+            eos_token_ids=loaded.eos_token_ids,
+            max_batch=loaded.max_batch,
+            prefill_chunk=loaded.prefill_chunk,
+        )
+        engine.quantization = loaded.quantization
+        engine._source = loaded.source  # config and tokenizer, for save_pretrained
         return engine
 
     def save_pretrained(self, folder: str | os.PathLike) -> Path:
@@ -226,7 +174,7 @@ class Engine:
             raise
         return folder
 
-    # -- the decode step ------------------------------------------------------------------
+    # -- the model calls (made by the scheduler's thread) ------------------------------------
     def bucket_for(self, length: int) -> int:
         """The smallest bucket holding ``length`` positions."""
         return self.buckets[bisect.bisect_left(self.buckets, length)]
@@ -240,67 +188,74 @@ class Engine:
         )
 
     @torch.no_grad()  # grad mode is part of a graph's guards: one mode, one graph per bucket
-    def step(self, tokens: Tensor, input_pos: Tensor, kv_len: int) -> Tensor:
-        """One decode step through the graph of bucket ``kv_len`` (eager when not compiled)."""
+    def step(
+        self, tokens: Tensor, input_pos: Tensor, kv_len: int, rows: Tensor | None = None
+    ) -> Tensor:
+        """One decode step of tokens (B, 1) at positions (B,) or (B, 1) in cache rows ``rows``
+        (B,), by default 0..B-1, through the graph of (B, ``kv_len``) (eager when not compiled).
+
+        B should be a batch bucket (scheduler.batch_size): every other size is a graph too.
+        """
+        B = tokens.shape[0]
+        input_pos = input_pos.view(B, 1)
+        if rows is None:
+            rows = torch.arange(B, device=tokens.device)
         if not self.compile:
-            return self.model(tokens, input_pos, kv_len)
+            return self.model(tokens, input_pos, kv_len, rows)
         start = time.perf_counter()
-        with cpu.compile_config():
-            logits = self._compiled(tokens, input_pos, kv_len)
-        self.compile_seconds.setdefault(kv_len, time.perf_counter() - start)  # first call compiles
+        limit = max(Engine._graphs_allowed, 8)
+        limits = dict(recompile_limit=limit, accumulated_recompile_limit=max(limit, 256))
+        with cpu.compile_config(), torch._dynamo.config.patch(limits):
+            logits = self._compiled(tokens, input_pos, kv_len, rows)
+        self.compile_seconds.setdefault((B, kv_len), time.perf_counter() - start)  # compiled
         return logits
 
-    def _prefill(self, ids: list[int]) -> Tensor:
+    def prefill(self, ids: list[int], start: int, row: int, all_positions: bool) -> Tensor:
+        """Run one prompt chunk ``ids`` at positions ``start``... in cache row ``row`` (eager);
+        its normed hidden states (1, T or 1, hidden)."""
         tokens = torch.tensor([ids], device=self.device)
-        for start in range(0, len(ids), PREFILL_CHUNK):
-            end = min(start + PREFILL_CHUNK, len(ids))
-            pos = torch.arange(start, end, device=self.device)
-            hidden = self.model.hidden(tokens[:, start:end], pos, self.bucket_for(end))
-        with cpu.compile_config():
-            return self._head(hidden)[:, -1]  # (1, vocab)
+        pos = torch.arange(start, start + len(ids), device=self.device)[None]  # (1, T)
+        rows = torch.tensor([row], device=self.device)
+        end = start + len(ids)
+        return self.model.hidden(tokens, pos, self.bucket_for(end), rows, all_positions)
 
-    def _token_stream(
-        self, ids: list[int], max_new_tokens: int, params: SamplingParams, stats: dict[str, Any]
-    ) -> Iterator[int]:
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(self.device).manual_seed(params.seed)
-        start = time.perf_counter()
-        token = sample(self._prefill(ids), params, generator)  # (1,)
-        first = token.item()
-        stats["prefill_seconds"] = time.perf_counter() - start
-        stats.update(decode_tokens=0, decode_seconds=0.0, buckets_used=[])
-        yield first
-        # The last sampled token is fed only if another one follows, so a full cache can still
-        # yield one more token than it has slots left.
-        steps = min(max_new_tokens, self.max_seq_len - len(ids) + 1) - 1
-        input_pos = torch.tensor([len(ids)], device=self.device)
-        used = stats["buckets_used"]
-        # On a GPU, step i+1 is queued before token i is read back, so the device never waits
-        # for the host between steps (tokens are sampled on the device and fed back there);
-        # the price is one step computed after an EOS. On CPU there is nothing to overlap.
-        lag = 1 if self.overlap_steps else 0
-        in_flight: list[tuple[Tensor, Any]] = []
-        for i in range(steps):
-            kv_len = self.bucket_for(len(ids) + i + 1)
-            if not used or used[-1] != kv_len:
-                used.append(kv_len)
-            fresh = self.compile and kv_len not in self.compile_seconds
-            t0 = time.perf_counter()
-            logits = self.step(token.view(1, 1), input_pos, kv_len)[:, -1]
-            token = sample(logits, params, generator)
-            input_pos += 1
-            in_flight.append(_to_host(token))
-            if len(in_flight) > lag:
-                value = _read(in_flight.pop(0))  # the host waits here, for an earlier step
-                if not fresh:  # a step that compiled a graph is not decode speed
-                    stats["decode_seconds"] += time.perf_counter() - t0
-                    stats["decode_tokens"] += 1
-                yield value
-        for item in in_flight:
-            yield _read(item)
+    def head(self, hidden: Tensor) -> Tensor:
+        """Logits of the last prompt position (1, 1, vocab)."""
+        with cpu.compile_config():
+            return self._head(hidden)
 
     # -- the public API ---------------------------------------------------------------------
+    def submit(
+        self,
+        prompt: Prompt,
+        *,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        stop: str | list[str] | None = None,
+    ) -> Request:
+        """Queue a generation and return its handle at once; safe from any thread.
+
+        Iterate the handle for text pieces, ``cancel()`` it, or ``result()`` for the
+        Generation. The engine's scheduler thread runs it (see scheduler.py). Invalid
+        arguments raise InvalidRequestError here, before anything is queued.
+        """
+        params = SamplingParams(temperature, top_k, top_p, seed)
+        max_new_tokens, stops = check_generation_args(max_new_tokens, stop)
+        ids = self._prompt_ids(prompt)
+        # The last sampled token is fed only if another one follows, so a full cache can still
+        # yield one more token than it has positions left.
+        limit = self.max_seq_len - len(ids) + 1
+        decoder = IncrementalDecoder(self.tokenizer, ids)
+        request = Request(
+            ids, params, max_new_tokens, stops, decoder, limit=limit, device=self.device
+        )
+        self.last_stats = request.stats
+        self.scheduler.submit(request)
+        return request
+
     def generate(
         self,
         prompt: Prompt | list[str],
@@ -312,7 +267,8 @@ class Engine:
         seed: int | None = None,
         stop: str | list[str] | None = None,
     ) -> Generation | list[Generation]:
-        """Generate a continuation of ``prompt``; a list of strings gives a list of results."""
+        """Generate a continuation of ``prompt``; a list of strings runs as one batch (prompts
+        beyond ``max_batch`` wait for a free slot) and gives a list of results."""
         kwargs = dict(
             max_new_tokens=max_new_tokens,
             temperature=temperature,
@@ -322,26 +278,31 @@ class Engine:
             stop=stop,
         )
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            return [self.generate(p, **kwargs) for p in prompt]
-        run = self._run(prompt, **kwargs)
-        while True:
-            try:
-                next(run)
-            except StopIteration as done:
-                return done.value
+            requests = [self.submit(p, **kwargs) for p in prompt]
+            return [r.result() for r in requests]
+        return self.submit(prompt, **kwargs).result()
 
     def stream(self, prompt: Prompt, **kwargs: Any) -> Iterator[str]:
-        """Yield the text of a generation piece by piece, as it is decoded."""
-        yield from self._run(prompt, **kwargs)
+        """Yield the text of a generation piece by piece, as it is decoded; closing the
+        iterator early cancels the request."""
+        request = self.submit(prompt, **kwargs)
+        try:
+            yield from request
+        finally:
+            request.cancel()  # no-op once it is done
 
     def score(self, token_ids: list[int]) -> Tensor:
-        """float32 logits (len(token_ids), vocab) of one forward pass over the sequence."""
+        """float32 logits (len(token_ids), vocab) of one pass over the sequence (in chunks)."""
         ids = self._prompt_ids(token_ids)
-        tokens = torch.tensor([ids], device=self.device)
-        pos = torch.arange(len(ids), device=self.device)
-        with torch.no_grad():
-            logits = self.model(tokens, pos, self.bucket_for(len(ids)), all_logits=True)
-        return logits[0].float().cpu()
+        params = SamplingParams()
+        decoder = IncrementalDecoder(self.tokenizer, ids)
+        request = Request(ids, params, 1, [], decoder, limit=1, device=self.device, score=True)
+        self.scheduler.submit(request)
+        return request.result()
+
+    def clear_cache(self) -> None:
+        """Forget the prompts that idle slots keep for prefix reuse; running requests go on."""
+        self.scheduler.clear_cache()
 
     def chat_prompt(self, message: str, system: str | None = None) -> list[int]:
         """Token ids of ``message`` as a user turn of the model's chat template, ready for a reply.
@@ -390,121 +351,3 @@ class Engine:
                 "the prompt or load the engine with a larger max_seq_len (--max-seq-len)"
             )
         return ids
-
-    def _run(
-        self,
-        prompt: Prompt,
-        *,
-        max_new_tokens: int = 256,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        seed: int | None = None,
-        stop: str | list[str] | None = None,
-    ) -> Iterator[str]:
-        params = SamplingParams(temperature, top_k, top_p, seed)
-        max_new_tokens, stops = check_generation_args(max_new_tokens, stop)
-        ids = self._prompt_ids(prompt)
-        stats: dict[str, Any] = {"prompt_tokens": len(ids)}
-        self.last_stats = stats
-        decoder = IncrementalDecoder(self.tokenizer, ids)
-        compiled_before = set(self.compile_seconds)
-        new_ids: list[int] = []
-        pieces: list[str] = []
-        pending, finish, hit = "", "length", False
-        with torch.no_grad():
-            for token in self._token_stream(ids, max_new_tokens, params, stats):
-                new_ids.append(token)
-                if token in self.eos_token_ids:
-                    finish = "stop"
-                    break
-                pending += decoder.push(token)
-                ready, pending, hit = _split_at_stop(pending, stops)
-                if ready:
-                    pieces.append(ready)
-                    yield ready
-                if hit:
-                    finish = "stop"
-                    break
-        tail = "" if hit else pending + decoder.flush()
-        if tail:
-            pieces.append(tail)
-            yield tail
-        stats["buckets_compiled"] = sorted(set(self.compile_seconds) - compiled_before)
-        stats["compile_seconds"] = sum(self.compile_seconds[b] for b in stats["buckets_compiled"])
-        seconds = stats["decode_seconds"]
-        stats["decode_tokens_per_second"] = stats["decode_tokens"] / seconds if seconds else None
-        return Generation("".join(pieces), new_ids, finish, stats)
-
-
-def _to_host(token: Tensor) -> tuple[Tensor, Any]:
-    """Start copying a sampled token id to the host; (host tensor, event marking its arrival)."""
-    if token.device.type != "cuda":
-        return token, None
-    host = token.to("cpu", non_blocking=True)  # pinned, asynchronous
-    done = torch.cuda.Event()
-    done.record()
-    return host, done
-
-
-def _read(item: tuple[Tensor, Any]) -> int:
-    host, done = item
-    if done is not None:
-        done.synchronize()
-    return int(host.item())
-
-
-def _split_at_stop(text: str, stops: list[str]) -> tuple[str, str, bool]:
-    """(text safe to emit, text to hold back, whether a stop string was found)."""
-    if not stops:
-        return text, "", False
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    if hits:
-        return text[: min(hits)], "", True
-    # Hold back the longest tail that could still grow into a stop string.
-    hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-    return text[: len(text) - hold], text[len(text) - hold :], False
-
-
-def _check_max_seq_len(max_seq_len: int | None, config: GemmaConfig) -> int:
-    limit = config.max_position_embeddings
-    if max_seq_len is None:
-        return min(limit, DEFAULT_MAX_SEQ_LEN)
-    if not isinstance(max_seq_len, int) or not 1 <= max_seq_len <= limit:
-        raise InvalidRequestError(
-            f"max_seq_len must be a whole number from 1 to {limit} (the "
-            f"model's max_position_embeddings), got {max_seq_len!r}"
-        )
-    return max_seq_len
-
-
-def _check_buckets(buckets: list[int] | None, max_seq_len: int) -> list[int]:
-    if buckets is None:
-        return default_buckets(max_seq_len)
-    if not buckets or not all(isinstance(b, int) and 1 <= b <= max_seq_len for b in buckets):
-        raise InvalidRequestError(
-            f"buckets must be whole numbers from 1 to max_seq_len ({max_seq_len}), got {buckets!r}"
-        )
-    return sorted(set(buckets) | {max_seq_len})
-
-
-def _check_cache_fits(
-    config: GemmaConfig, max_seq_len: int, dtype: torch.dtype, device: torch.device
-) -> None:
-    window = config.sliding_window or max_seq_len
-    need = 0
-    for i, (spec, kind) in enumerate(zip(config.layers, config.layer_types, strict=True)):
-        if spec.kv_source != i:  # a KV-shared layer reads another layer's cache
-            continue
-        slots = min(window, max_seq_len) if kind is AttentionType.SLIDING else max_seq_len
-        need += 2 * slots * spec.num_key_value_heads * spec.head_dim * dtype.itemsize
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-    else:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    if need > 0.8 * free:
-        raise OutOfMemoryError(
-            f"a KV cache of {max_seq_len} positions needs {need / 2**30:.1f} GiB but only "
-            f"{free / 2**30:.1f} GiB is free on {device}; pass a smaller max_seq_len "
-            "(--max-seq-len)"
-        )

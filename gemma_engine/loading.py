@@ -12,8 +12,9 @@ from pathlib import Path
 
 import torch
 
-from .config import GemmaConfig
-from .errors import CheckpointError, CheckpointNotFoundError
+from . import quant
+from .config import AttentionType, GemmaConfig
+from .errors import CheckpointError, CheckpointNotFoundError, InvalidRequestError, OutOfMemoryError
 from .file_checks import (
     check_weight_dtype,
     read_generation_config,
@@ -21,8 +22,28 @@ from .file_checks import (
     read_safetensors,
     shard_files,
 )
-from .model import GemmaForCausalLM
+from .model import GemmaForCausalLM, ring_size
 from .quant import QUANT_BUFFERS, check_saved, quantize_model
+from .tokenizer import Tokenizer
+
+# Longest cache allocated when the caller does not ask: long enough for real use on a laptop,
+# and a 32k-position model's global layers would otherwise reserve memory nobody uses.
+DEFAULT_MAX_SEQ_LEN = 8192
+# Sequences decoded at once when the caller does not ask. Decode on a CPU (or a small GPU
+# batch) reads the weights once per step for all rows, so 4 rows cost little more than one;
+# the cache grows with every row (Gemma 3 270M, fp32, 8192 positions: 81 MiB per row), and
+# each batch bucket (1, 2, 4) is one more graph per kv bucket to compile. When the default
+# does not fit in memory, fewer rows are allocated (down to one) rather than failing.
+DEFAULT_MAX_BATCH = 4
+# Buckets double from here. Below a few hundred positions attention is a sliver of a step's
+# cost, while every bucket costs a compile; doubling wastes at most half of a step's cache read
+# and keeps the number of graphs logarithmic (6 up to 8192).
+FIRST_BUCKET = 256
+# Prompts are prefilled in chunks of this many tokens, which bounds the attention scores'
+# memory and how long a prompt holds back the running streams (one chunk per step); the
+# prefill runs eagerly because prompt lengths vary and its matmuls are already large.
+PREFILL_CHUNK = 512
+
 
 _HUB_FILES = [
     "config.json",
@@ -250,3 +271,154 @@ def build_model(
     state = {name: t.to(device) for name, t in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval().requires_grad_(False)
+
+
+# -- everything from_pretrained does before the engine exists ------------------------------
+@dataclass
+class Loaded:
+    """A model ready to run: weights placed (quantized if asked), cache allocated."""
+
+    model: GemmaForCausalLM
+    tokenizer: Tokenizer
+    eos_token_ids: set[int]
+    buckets: list[int]
+    max_batch: int
+    prefill_chunk: int
+    quantization: tuple[str, int | None] | None  # (method, group size)
+    source: Checkpoint  # config and tokenizer (its tensors dropped), for save_pretrained
+
+
+def load(
+    model: str | os.PathLike | None,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_seq_len: int | None,
+    buckets: list[int] | None,
+    quantize: str | None,
+    group_size: int | None,
+    max_batch: int | None,
+    prefill_chunk: int | None,
+) -> Loaded:
+    """Resolve, read, configure, check, quantize and build: the steps of
+    ``Engine.from_pretrained``, every check done before the weights are placed."""
+    ckpt = read_checkpoint(resolve(model), dtype)
+    config = GemmaConfig.from_hf(ckpt.config)
+    with torch.device("meta"):  # the layers quantization would replace, with no weights
+        skeleton = GemmaForCausalLM(config)
+    method, group_size = quant.check_quantize(quantize, group_size, quant.input_widths(skeleton))
+    quant.check_supported(skeleton, method)
+    saved = ckpt.config.get(quant.CONFIG_KEY)
+    if saved and method not in ("none", saved["method"]):
+        raise InvalidRequestError(
+            f"this checkpoint is already quantized ({saved['method']}); load it without "
+            "quantize, or quantize from the original weights"
+        )
+    max_seq_len = _check_max_seq_len(max_seq_len, config)
+    buckets = _check_buckets(buckets, max_seq_len)
+    chunk = _check_whole("prefill_chunk", PREFILL_CHUNK if prefill_chunk is None else prefill_chunk)
+    max_batch = _fit_max_batch(max_batch, config, max_seq_len, chunk, dtype, device)
+    tokenizer = Tokenizer(ckpt.tokenizer_model)
+    tokenizer.check_fits(config.vocab_size)
+    if saved:
+        quantized = (saved["method"], saved.get("group_size"))
+        net = build_model(config, ckpt.tensors, device, dtype, quantized)
+    else:
+        net = build_model(config, ckpt.tensors, device, dtype)
+        if method != "none":
+            quant.quantize_model(net, method, group_size, dtype)
+            quantized = (method, group_size)
+        else:
+            quantized = None
+    del ckpt.tensors  # the model holds what it needs
+    if quantized is not None:
+        if device.type == "cpu":
+            quant.to_kernel_layout(net)
+        quant.warn_if_slow(quantized[0], device)
+    net.setup_cache(max_seq_len, max_batch, chunk)
+    eos = set(config.eos_token_ids)
+    gen_eos = ckpt.generation_config.get("eos_token_id")
+    eos.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+    for end in ("<end_of_turn>", "<turn|>"):  # a finished turn ends the text, as in HF
+        if tokenizer.has_piece(end):
+            eos.add(tokenizer.special_id(end))
+    return Loaded(net, tokenizer, eos, buckets, max_batch, chunk, quantized, ckpt)
+
+
+def default_buckets(max_seq_len: int) -> list[int]:
+    buckets, n = [], FIRST_BUCKET
+    while n < max_seq_len:
+        buckets.append(n)
+        n *= 2
+    return [*buckets, max_seq_len]
+
+
+def _check_whole(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise InvalidRequestError(f"{name} must be a whole number >= 1, got {value!r}")
+    return value
+
+
+def _check_max_seq_len(max_seq_len: int | None, config: GemmaConfig) -> int:
+    limit = config.max_position_embeddings
+    if max_seq_len is None:
+        return min(limit, DEFAULT_MAX_SEQ_LEN)
+    if not isinstance(max_seq_len, int) or not 1 <= max_seq_len <= limit:
+        raise InvalidRequestError(
+            f"max_seq_len must be a whole number from 1 to {limit} (the "
+            f"model's max_position_embeddings), got {max_seq_len!r}"
+        )
+    return max_seq_len
+
+
+def _check_buckets(buckets: list[int] | None, max_seq_len: int) -> list[int]:
+    if buckets is None:
+        return default_buckets(max_seq_len)
+    if not buckets or not all(isinstance(b, int) and 1 <= b <= max_seq_len for b in buckets):
+        raise InvalidRequestError(
+            f"buckets must be whole numbers from 1 to max_seq_len ({max_seq_len}), got {buckets!r}"
+        )
+    return sorted(set(buckets) | {max_seq_len})
+
+
+def cache_bytes(config: GemmaConfig, max_seq_len: int, chunk: int, dtype: torch.dtype) -> int:
+    """Bytes of one cache row (one sequence): every cache-owning layer's keys and values."""
+    ring = ring_size(config, max_seq_len, chunk)
+    need = 0
+    for i, (spec, kind) in enumerate(zip(config.layers, config.layer_types, strict=True)):
+        if spec.kv_source != i:  # a KV-shared layer reads another layer's cache
+            continue
+        slots = ring if kind is AttentionType.SLIDING else max_seq_len
+        need += 2 * slots * spec.num_key_value_heads * spec.head_dim * dtype.itemsize
+    return need
+
+
+def _fit_max_batch(
+    max_batch: int | None,
+    config: GemmaConfig,
+    max_seq_len: int,
+    chunk: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> int:
+    """The rows to allocate, checked against free memory before anything is: ``max_batch``
+    if given, else DEFAULT_MAX_BATCH halved until it fits (the cache must fit at one row)."""
+    row = cache_bytes(config, max_seq_len, chunk, dtype)
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if max_batch is not None:
+        batch = _check_whole("max_batch", max_batch)
+    else:
+        batch = DEFAULT_MAX_BATCH
+        while batch > 1 and batch * row > 0.8 * free:
+            batch //= 2
+    if batch * row > 0.8 * free:
+        rows = f"{batch} sequences of " if batch > 1 else ""
+        raise OutOfMemoryError(
+            f"a KV cache of {rows}{max_seq_len} positions needs {batch * row / 2**30:.1f} GiB but "
+            f"only {free / 2**30:.1f} GiB is free on {device}; pass a smaller max_seq_len "
+            "(--max-seq-len)" + (" or max_batch (--max-batch)" if batch > 1 else "")
+        )
+    return batch

@@ -1,10 +1,11 @@
 """Gemma 1, 2, 3, 3n and 4 text models in one file, with a preallocated, bucket-read KV cache.
 
-The whole contract is ``GemmaForCausalLM.forward(tokens, input_pos, kv_len) -> logits``:
-``tokens`` (B, T) are written into the cache at the positions ``input_pos`` (T,), and attention
-reads only the first ``kv_len`` cache slots, a Python int the engine rounds up to a bucket so
-that a compiled graph serves every length in its bucket. Parameter names are Hugging Face's, so
-checkpoints load with no renaming.
+The whole contract is ``GemmaForCausalLM.forward(tokens, input_pos, kv_len, rows) -> logits``:
+``tokens`` (B, T) are written into the cache at the positions ``input_pos`` (B, T), each batch
+row into its own cache row ``rows`` (B,) (the engine's slots), and attention reads only the first
+``kv_len`` positions, a Python int the engine rounds up to a bucket so that a compiled graph
+serves every length in its bucket. Parameter names are Hugging Face's, so checkpoints load with
+no renaming.
 
 Generations differ by config fields on the same modules (see config.py). Only new maths has its
 own class: the mixture of experts (Router, Experts) of Gemma 4, and AltUp and LAuReL of Gemma
@@ -26,16 +27,41 @@ from .config import AttentionType, GemmaConfig, RopeConfig
 
 
 def one_token_on_cpu_compiled(x: Tensor) -> bool:
-    """A decode step on CPU inside a compiled graph, where matrix-vector products are fused
-    multiply-reduces: inductor streams a weight matrix through them 1.3-4x faster than MKL's
-    GEMV does (BENCHMARKS.md), and a quantized matrix is expanded in the same pass."""
+    """A decode step of one sequence on CPU inside a compiled graph, where matrix-vector
+    products are fused multiply-reduces: inductor streams a weight matrix through them 1.3-4x
+    faster than MKL's GEMV does (BENCHMARKS.md), and a quantized matrix is expanded in the same
+    pass. A batch of B > 1 rows takes the GEMM: one read of the weights serves every row."""
     return x.shape[:-1].numel() == 1 and x.device.type == "cpu" and torch.compiler.is_compiling()
 
 
+def rows_on_cpu_compiled(x: Tensor) -> bool:
+    """A decode step of a batch (x: (..., B, 1, K), B > 1) on CPU inside a compiled graph."""
+    return x.shape[-2] == 1 and x.device.type == "cpu" and torch.compiler.is_compiling()
+
+
+# A batched decode step's products on CPU: True, a multiply-reduce with the batch rows inside
+# each weight row (each weight is read once from memory, the few rows stay in cache); False,
+# F.linear (a GEMM). In a microbenchmark on the project's 2-core machine (under load: see the
+# report of issue 11) the fused form was 1.3-3x faster at B = 2, 4, 8 for Gemma 3 270M's
+# shapes, its 262k-row output matrix included (scripts/bench_batched_products.py);
+# scripts/bench_batch.py --batched-linear gemm measures the other choice end to end.
+BATCHED_FUSED = True
+
+
+def decode_on_cpu_compiled(x: Tensor) -> bool:
+    """One new token per batch row (x: (..., B, 1, hidden)), on CPU inside a compiled graph:
+    attention's products, which are per row anyway, stay fused reductions at any batch size."""
+    return x.shape[-2] == 1 and x.device.type == "cpu" and torch.compiler.is_compiling()
+
+
 def linear(x: Tensor, weight: Tensor) -> Tensor:
-    """x @ weight.T, as a fused multiply-reduce for one token in a compiled CPU graph."""
+    """x @ weight.T, as a fused multiply-reduce for decode steps in a compiled CPU graph."""
     if one_token_on_cpu_compiled(x):
         return (x.unsqueeze(-2) * weight).sum(-1)  # (..., 1, K) * (N, K) -> (..., N)
+    if BATCHED_FUSED and rows_on_cpu_compiled(x):
+        rows = x.reshape(-1, x.shape[-1])  # (R, K)
+        out = (weight[:, None, :] * rows[None]).sum(-1)  # (N, 1, K) * (1, R, K) -> (N, R)
+        return out.T.reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight)
 
 
@@ -104,19 +130,19 @@ def rope_table(rope: RopeConfig, head_dim: int, length: int) -> tuple[Tensor, Te
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # x: (B, H, T, D); cos, sin: (T, D)
+    # x: (B, H, T, D); cos, sin: (B, 1, T, D), each row at its own positions
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 class KVCache(nn.Module):
-    """One layer's keys and values, preallocated and written in place.
+    """One layer's keys and values for ``batch`` sequences (cache rows), written in place.
 
-    A global layer owns ``max_seq_len`` slots and slot i holds position i. A sliding layer owns
-    only ``window`` slots used as a ring (position p lives in slot p % window). For a chunk of
-    several tokens it returns the ring as it was before this call's write, followed by the new
-    keys, so that a chunk longer than the window still sees every key it needs; a single decode
-    token is written first and the ring is read in place.
+    A global layer's row holds ``max_seq_len`` positions, position p at index p. A sliding
+    layer's row is a ring of ``slots`` entries, position p at p % slots, sized by the engine
+    to window + one prompt chunk: a chunk is written before it is read (a query at the chunk's
+    start still finds the window before it), and prefix reuse may roll a sequence back by up
+    to a chunk (see slots.py). Every write goes to the batch row's own cache row ``rows``.
     """
 
     def __init__(
@@ -130,67 +156,46 @@ class KVCache(nn.Module):
     ) -> None:
         super().__init__()
         self.window = window
+        self.slots = slots
         shape = (batch, heads, slots, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype), persistent=False)
 
-    def update(self, k: Tensor, v: Tensor, input_pos: Tensor, kv_len: int) -> tuple[Tensor, Tensor]:
-        # k, v: (B, KV, T, D)
-        if self.window is None:
-            self.k.index_copy_(2, input_pos, k)
-            self.v.index_copy_(2, input_pos, v)
-            return self.k[:, :, :kv_len], self.v[:, :, :kv_len]  # (B, KV, kv_len, D)
-        if k.shape[2] == 1:
-            # Decode: write first, then read the ring in place. The slot written held a position
-            # a whole window back, which this query no longer sees. (Reading before writing, as
-            # a chunk must, makes the compiled step copy every ring to keep the old values.)
-            slot = torch.remainder(input_pos, self.window)
-            self.k.index_copy_(2, slot, k)
-            self.v.index_copy_(2, slot, v)
-            n = min(kv_len, self.window)
-            return self.k[:, :, :n], self.v[:, :, :n]  # (B, KV, n, D)
-        n_ring = ring_length(kv_len, k.shape[2], self.window)
-        keys = torch.cat((self.k[:, :, :n_ring], k), dim=2)  # (B, KV, n_ring + T, D)
-        values = torch.cat((self.v[:, :, :n_ring], v), dim=2)
-        n_new = min(k.shape[2], self.window)  # older keys of a long chunk would be overwritten
-        slots = torch.remainder(input_pos[-n_new:], self.window)
-        self.k.index_copy_(2, slots, k[:, :, -n_new:])
-        self.v.index_copy_(2, slots, v[:, :, -n_new:])
-        return keys, values
-
-
-def ring_length(kv_len: int, chunk: int, window: int) -> int:
-    """Ring slots a chunk of ``chunk`` new tokens must read: the positions before it.
-
-    Those are fewer than ``kv_len - chunk`` (the bucket holds the chunk's end) and a window at
-    most, so a prompt's first chunk reads no ring at all.
-    """
-    return min(kv_len - chunk, window)
+    def update(
+        self, k: Tensor, v: Tensor, input_pos: Tensor, rows: Tensor, kv_len: int
+    ) -> tuple[Tensor, Tensor]:
+        # k, v: (B, KV, T, D); input_pos: (B, T); rows: (B,)
+        index = input_pos if self.window is None else torch.remainder(input_pos, self.slots)
+        n = kv_len if self.window is None else min(kv_len, self.slots)
+        # (rows, S, KV, D) views: one advanced index pair (row, position) per new token.
+        where = (rows[:, None], index)  # (B, 1), (B, T)
+        self.k.transpose(1, 2).index_put_(where, k.transpose(1, 2))
+        self.v.transpose(1, 2).index_put_(where, v.transpose(1, 2))
+        # Each batch row reads its own cache row; in a compiled step the gather fuses into
+        # attention's reductions.
+        keys = self.k[:, :, :n].index_select(0, rows)  # (B, KV, n, D)
+        return keys, self.v[:, :, :n].index_select(0, rows)
 
 
 def attention_masks(
-    input_pos: Tensor, kv_len: int, window: int | None
+    input_pos: Tensor, kv_len: int, window: int | None, ring: int | None
 ) -> dict[AttentionType, Tensor]:
-    """Boolean masks (T, S), True where a query may attend, for both layer kinds.
+    """Boolean masks (B, 1, T, S), True where a query may attend, for both layer kinds.
 
-    Masks compare positions, never slot indices, so stale slots left by an earlier, longer
-    generation are hidden without clearing the cache.
+    Masks compare positions, never cache indices, so stale entries left by an earlier, longer
+    sequence in the same cache row are hidden without clearing it. A sliding layer's ring of
+    ``ring`` entries was written up to each row's last position before it is read, so entry i
+    holds the latest position congruent to i: ``last - (last - i) % ring``.
     """
-    q_pos = input_pos[:, None]  # (T, 1)
-    global_pos = torch.arange(kv_len, device=input_pos.device)  # slot i holds position i
-    masks = {AttentionType.GLOBAL: global_pos[None, :] <= q_pos}
+    q_pos = input_pos[:, :, None]  # (B, T, 1)
+    global_pos = torch.arange(kv_len, device=input_pos.device)  # index i holds position i
+    masks = {AttentionType.GLOBAL: (global_pos <= q_pos)[:, None]}
     if window is not None:
-        decode = input_pos.shape[0] == 1  # decode reads the ring after writing (KVCache.update)
-        if decode:
-            n_ring, last = min(kv_len, window), input_pos[0]
-        else:  # a chunk reads the ring as it was, then its own keys
-            n_ring, last = ring_length(kv_len, input_pos.shape[0], window), input_pos[0] - 1
-        slots = torch.arange(n_ring, device=input_pos.device)
-        ring_pos = last - torch.remainder(last - slots, window)  # negative: never written
-        key_pos = (ring_pos if decode else torch.cat((ring_pos, input_pos)))[None, :]
-        masks[AttentionType.SLIDING] = (
-            (key_pos >= 0) & (key_pos <= q_pos) & (key_pos > q_pos - window)
-        )
+        slots = torch.arange(min(kv_len, ring), device=input_pos.device)
+        last = input_pos[:, -1:]  # (B, 1)
+        key_pos = (last - torch.remainder(last - slots, ring))[:, None, :]  # (B, 1, S)
+        visible = (key_pos >= 0) & (key_pos <= q_pos) & (key_pos > q_pos - window)
+        masks[AttentionType.SLIDING] = visible[:, None]  # negative: never written
     return masks
 
 
@@ -234,6 +239,7 @@ class Attention(nn.Module):
         self,
         x: Tensor,
         input_pos: Tensor,
+        rows: Tensor,
         kv_len: int,
         cos: Tensor,
         sin: Tensor,
@@ -253,7 +259,7 @@ class Attention(nn.Module):
                 k = self.k_norm(k)
             if self.config.v_norm:
                 v = self.v_norm(v)
-            keys, values = self.cache.update(apply_rope(k, cos, sin), v, input_pos, kv_len)
+            keys, values = self.cache.update(apply_rope(k, cos, sin), v, input_pos, rows, kv_len)
             if self.feeds_others:
                 shared[self.layer_idx] = keys, values  # (B, KV, S, D)
         else:
@@ -269,11 +275,12 @@ class Attention(nn.Module):
         # Grouped heads share a key head: fold the group into the query length, no repeat.
         group = self.n_heads // self.n_kv
         q = q.reshape(B, self.n_kv, group * T, self.head_dim)  # (B, KV, G*T, D)
-        fused = one_token_on_cpu_compiled(x)  # products as fused reductions, as in linear()
+        fused = decode_on_cpu_compiled(x)  # products as fused reductions, as in linear()
         scores = matmul(q, keys.transpose(2, 3), fused) * self.scaling  # (B, KV, G*T, S)
         if (cap := self.config.attn_logit_softcapping) is not None:
             scores = torch.tanh(scores / cap) * cap  # Gemma 2 caps before masking
-        scores = scores.view(B, self.n_kv, group, T, -1).masked_fill(~mask, float("-inf"))
+        scores = scores.view(B, self.n_kv, group, T, -1)
+        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))  # mask: (B, 1, 1, T, S)
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         probs = probs.view(B, self.n_kv, group * T, -1)
         out = matmul(probs, values, fused)  # (B, KV, G*T, D)
@@ -490,6 +497,7 @@ class DecoderLayer(nn.Module):
         self,
         x: Tensor,
         input_pos: Tensor,
+        rows: Tensor,
         kv_len: int,
         cos: Tensor,
         sin: Tensor,
@@ -502,7 +510,7 @@ class DecoderLayer(nn.Module):
             streams = self.altup.predict(x)
             x = streams[self.altup.active]
         h = self.input_layernorm(x)
-        attn = self.self_attn(h, input_pos, kv_len, cos, sin, mask, shared)
+        attn = self.self_attn(h, input_pos, rows, kv_len, cos, sin, mask, shared)
         if not self.sandwich:
             x = x + attn
             return x + self.mlp(self.post_attention_layernorm(x))
@@ -580,6 +588,14 @@ class GemmaModel(nn.Module):
         return (context + own.view(shape)) * 2**-0.5
 
 
+def ring_size(config: GemmaConfig, max_seq_len: int, chunk: int) -> int:
+    """Entries of a sliding layer's ring: the window plus the longest chunk written at once,
+    capped at the sequence (then positions never wrap)."""
+    if not config.sliding_window:
+        return max_seq_len
+    return min(config.sliding_window + chunk, max_seq_len)
+
+
 class GemmaForCausalLM(nn.Module):
     def __init__(self, config: GemmaConfig) -> None:
         super().__init__()
@@ -588,22 +604,27 @@ class GemmaForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.max_seq_len = 0
+        self.ring = 0  # entries of a sliding layer's ring (setup_cache)
 
-    def setup_cache(self, max_seq_len: int, batch: int = 1) -> None:
-        """Allocate the KV cache and rope tables once, on the weights' device and dtype.
+    def setup_cache(self, max_seq_len: int, batch: int = 1, chunk: int | None = None) -> None:
+        """Allocate the KV cache of ``batch`` sequences and the rope tables once, on the
+        weights' device and dtype; sliding rings hold window + ``chunk`` positions (the
+        longest chunk written at once; default: any length) or the whole sequence if that is
+        shorter.
 
         KV-shared layers (Gemma 3n/4) own no cache: they read their source layer's.
         """
         cfg = self.config
         weight = self.model.norm.weight  # embed_tokens.weight may be quantized
         self.max_seq_len = max_seq_len
+        self.ring = ring_size(cfg, max_seq_len, max_seq_len if chunk is None else chunk)
         with torch.device(weight.device):
             for layer in self.model.layers:
                 attn = layer.self_attn
                 if not attn.owns_kv:
                     continue
                 window = cfg.sliding_window if layer.layer_type is AttentionType.SLIDING else None
-                slots = min(window, max_seq_len) if window else max_seq_len
+                slots = self.ring if window else max_seq_len
                 attn.cache = KVCache(batch, attn.n_kv, slots, attn.head_dim, window, weight.dtype)
             for name, kind, rope in (
                 ("global", AttentionType.GLOBAL, cfg.rope_global),
@@ -614,31 +635,52 @@ class GemmaForCausalLM(nn.Module):
                 self.register_buffer(f"sin_{name}", sin.to(weight.dtype), persistent=False)
 
     def forward(
-        self, tokens: Tensor, input_pos: Tensor, kv_len: int, all_logits: bool = False
+        self,
+        tokens: Tensor,
+        input_pos: Tensor,
+        kv_len: int,
+        rows: Tensor | None = None,
+        all_logits: bool = False,
     ) -> Tensor:
-        """tokens (B, T) at positions input_pos (T,) -> logits (B, T or 1, vocab).
+        """tokens (B, T) at positions input_pos (B, T) or (T,) in cache rows ``rows`` (B,),
+        by default 0..B-1 -> logits (B, T or 1, vocab).
 
         Only the last position's logits are computed unless ``all_logits``: a 262k-word vocabulary
         makes full-sequence logits the largest tensor of a prefill.
         """
-        return self.logits(self.hidden(tokens, input_pos, kv_len, all_logits))
+        return self.logits(self.hidden(tokens, input_pos, kv_len, rows, all_logits))
 
     def hidden(
-        self, tokens: Tensor, input_pos: Tensor, kv_len: int, all_positions: bool = False
+        self,
+        tokens: Tensor,
+        input_pos: Tensor,
+        kv_len: int,
+        rows: Tensor | None = None,
+        all_positions: bool = False,
     ) -> Tensor:
         """The final normed hidden states (B, T or 1, hidden), written into the cache on the way."""
         cfg = self.config
         model = self.model
+        B, T = tokens.shape
+        input_pos = input_pos.expand(B, T)  # one row of positions serves every batch row
+        if rows is None:
+            rows = torch.arange(B, device=tokens.device)
         x = lookup(model.embed_tokens, tokens)  # (B, T, hidden)
         # The sqrt(hidden) scale is rounded to the activation dtype first, as in the reference.
         x = x * torch.tensor(cfg.hidden_size**0.5, dtype=x.dtype, device=x.device)
         per_layer = model.per_layer_inputs(tokens, x) if cfg.hidden_size_per_layer_input else None
-        rope = {
-            AttentionType.GLOBAL: (self.cos_global[input_pos], self.sin_global[input_pos]),
-            AttentionType.SLIDING: (self.cos_local[input_pos], self.sin_local[input_pos]),
+        rope = {  # (B, 1, T, D): each row at its own positions, broadcast over heads
+            AttentionType.GLOBAL: (
+                self.cos_global[input_pos][:, None],
+                self.sin_global[input_pos][:, None],
+            ),
+            AttentionType.SLIDING: (
+                self.cos_local[input_pos][:, None],
+                self.sin_local[input_pos][:, None],
+            ),
         }
         window = cfg.sliding_window if cfg.has_sliding_layers else None
-        masks = attention_masks(input_pos, kv_len, window)
+        masks = attention_masks(input_pos, kv_len, window, self.ring)
         if cfg.altup_num_inputs:
             x = AltUp.spread(x, model.altup_projections)  # (N, B, T, hidden)
         shared: SharedKV = {}
@@ -653,7 +695,7 @@ class GemmaForCausalLM(nn.Module):
                 masks = {k: m[..., -1:, :] for k, m in masks.items()}
             cos, sin = rope[layer.layer_type]
             ple = per_layer[:, :, i] if per_layer is not None else None
-            x = layer(x, input_pos, kv_len, cos, sin, masks[layer.layer_type], shared, ple)
+            x = layer(x, input_pos, rows, kv_len, cos, sin, masks[layer.layer_type], shared, ple)
         if cfg.altup_num_inputs:
             x = AltUp.merge(x, model.altup_unembed_projections)  # (B, T, hidden)
         return model.norm(x if all_positions else x[:, -1:])

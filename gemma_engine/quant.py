@@ -49,7 +49,7 @@ from torch import Tensor, nn
 
 from . import cpu
 from .errors import CheckpointError, InvalidRequestError
-from .model import Experts, one_token_on_cpu_compiled
+from .model import Experts, one_token_on_cpu_compiled, rows_on_cpu_compiled
 
 METHODS = ("none", "int8", "int4")
 DEFAULT_GROUP_SIZE = 32
@@ -348,6 +348,13 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.lanes is not None and one_token_on_cpu_compiled(x):
             return self.matvec(x)
+        if self.lanes is not None and rows_on_cpu_compiled(x):
+            # A batched decode step: the one-token kernel per row, which inductor fuses over
+            # the rows (B = 8 measured ~1.3x one row's time, against ~12x for expanding the
+            # matrix and a GEMM); each row's arithmetic is exactly its solo step's.
+            rows = x.reshape(-1, x.shape[-1])
+            out = torch.stack([self.matvec(rows[i]) for i in range(rows.shape[0])])
+            return out.view(*x.shape[:-1], -1)
         dtype = _prompt_dtype(x)
         return F.linear(x.to(dtype), self.dequantize(dtype)).to(x.dtype)
 

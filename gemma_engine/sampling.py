@@ -57,3 +57,18 @@ def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | 
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     probs = logits.softmax(dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def sample_rows(
+    logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> Tensor:
+    """Next token ids (B,) for a batch whose rows each have their own sampling parameters.
+
+    Greedy rows come from one argmax over the batch; a sampled row is drawn alone, with its own
+    generator, so a seeded request gets the same tokens whatever it is batched with.
+    """
+    tokens = logits.argmax(dim=-1)  # (B,)
+    for i, (row_params, generator) in enumerate(zip(params, generators, strict=True)):
+        if not row_params.greedy:
+            tokens[i] = sample(logits[i : i + 1], row_params, generator)[0]
+    return tokens

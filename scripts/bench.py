@@ -157,6 +157,7 @@ class EngineContestant(TorchContestant):
             "device": self.spec["device"],
             "max_seq_len": self.spec["max_ctx"],
             "compile": self.compiled,
+            "max_batch": 1,  # one sequence, as the other contestants: the cache of one row
         }
         if self.spec.get("dtype"):
             kw["dtype"] = self.spec["dtype"]

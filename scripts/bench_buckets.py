@@ -582,7 +582,7 @@ def main(argv=None) -> int:
     from gemma_engine import Engine
 
     sync = bu.cuda_sync_for(args.device)
-    kw = {"device": args.device, "dtype": args.dtype, "compile": True}
+    kw = {"device": args.device, "dtype": args.dtype, "compile": True, "max_batch": 1}
     full = {
         L: Engine.from_pretrained(str(folder), max_seq_len=L, buckets=[L], **kw) for L in lengths
     }

@@ -42,6 +42,7 @@ def main() -> None:
         args.model,
         compile=not args.no_compile,
         max_seq_len=max(1024, args.context),
+        max_batch=1,
         quantize=args.quantize,
     )
     tokens, pos = torch.tensor([[100]]), torch.tensor([args.context - 1])

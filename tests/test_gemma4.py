@@ -100,37 +100,46 @@ def test_moe_incremental_equals_full_forward(compiled, tiny_new_checkpoints):
     torch.testing.assert_close(got, full, atol=1e-4, rtol=0)
     if compiled:  # positions 5..39 touch buckets 8, 16, 32 and 64
         assert counters["stats"]["unique_graphs"] - graphs == 4
-        assert sorted(engine.compile_seconds) == BUCKETS
+        assert sorted(engine.compile_seconds) == [(1, b) for b in BUCKETS]
 
 
-def test_kv_shared_layers_own_no_cache(engines):
+def test_kv_shared_layers_own_no_cache(engines, tiny_new_checkpoints):
     engine = engines["gemma4"]
     caches = [layer.self_attn.cache for layer in engine.model.model.layers]
     assert [c is None for c in caches] == [False] * 4 + [True] * 2
-    # 128 positions: sliding layers hold 8 slots, full layers 128, at their own geometry.
+    # 128 positions: sliding layers hold a ring of min(8 + 512, 128) entries (the window and
+    # a prompt chunk), full layers 128, at their own geometry, for each of max_batch rows.
     per_slot = {0: 2 * 16, 1: 2 * 16, 2: 1 * 32, 3: 2 * 16}
-    slots = {0: 8, 1: 8, 2: 128, 3: 8}
-    assert engine.kv_cache_bytes == sum(2 * per_slot[i] * slots[i] * 4 for i in range(4))
+    slots = {0: 128, 1: 128, 2: 128, 3: 128}
+    rows = engine.max_batch
+    assert rows == 4  # the default, which fits easily
+    assert engine.kv_cache_bytes == rows * sum(2 * per_slot[i] * slots[i] * 4 for i in range(4))
+    small = load(tiny_new_checkpoints["gemma4"][0], max_seq_len=64, prefill_chunk=4, max_batch=2)
+    slots = {0: 12, 1: 12, 2: 64, 3: 12}
+    assert small.kv_cache_bytes == 2 * sum(2 * per_slot[i] * slots[i] * 4 for i in range(4))
 
 
 def test_memory_check_counts_only_cache_owners(tiny_new_checkpoints, monkeypatch):
-    """The cache of 200 positions is 7 * 4 KiB + 8 KiB per sliding layer: let only a little
-    more than that be free, which six cache-owning layers would not fit in."""
+    """The cache of 200 positions is 3 * 6 KiB (rings of 8 + 4) + 50 KiB: let only a little
+    more than that be free, which six cache-owning layers would not fit in, nor two rows.
+    With max_batch left to its default, the engine then holds one row."""
     import os
 
     folder = tiny_new_checkpoints["gemma4"][0]
-    need = 3 * (2 * 8 * 2 * 16 * 4) + 2 * 200 * 1 * 32 * 4  # three sliding layers, one full
+    need = 3 * (2 * 12 * 2 * 16 * 4) + 2 * 200 * 1 * 32 * 4  # three sliding layers, one full
     page = os.sysconf("SC_PAGE_SIZE")
     real = os.sysconf
     monkeypatch.setattr(
         os, "sysconf", lambda k: int(need / 0.8 / page) + 1 if k == "SC_AVPHYS_PAGES" else real(k)
     )
-    load(folder, max_seq_len=200, buckets=[200])  # fits
+    assert load(folder, max_seq_len=200, buckets=[200], prefill_chunk=4).max_batch == 1  # fits
+    with pytest.raises(OutOfMemoryError, match="max_batch"):
+        load(folder, max_seq_len=200, buckets=[200], prefill_chunk=4, max_batch=2)
     monkeypatch.setattr(
         os, "sysconf", lambda k: int(need / 0.8 / page) - 1 if k == "SC_AVPHYS_PAGES" else real(k)
     )
     with pytest.raises(OutOfMemoryError, match="max_seq_len"):
-        load(folder, max_seq_len=200, buckets=[200])
+        load(folder, max_seq_len=200, buckets=[200], prefill_chunk=4)
 
 
 def test_hub_form_of_the_geometry_parses_the_same(tiny_new_checkpoints):

@@ -1,0 +1,199 @@
+"""The scheduler: which requests run in the next step, driven by one background thread.
+
+Each iteration of the loop, between model steps:
+1. drops cancelled requests (a running one frees its slot; a queued one just leaves the queue);
+2. admits the first waiting request into a free slot (reusing the longest cached prefix, see
+   slots.py) if no other prompt is being prefilled;
+3. runs one chunk of that prompt (at most ``engine.prefill_chunk`` tokens), so a long prompt
+   holds the running streams back by one chunk per step, never by the whole prompt;
+4. runs one batched decode step for every running request (the one whose prompt just finished
+   included), padded up to a batch bucket.
+
+The thread starts when a request is submitted and none is running, and exits when nothing is
+left to do, so an idle engine holds no thread (and can be garbage-collected). Model calls happen
+only on that thread; ``submit`` and ``Request.cancel`` may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+import torch
+
+from .request import Request
+from .sampling import sample_rows
+from .slots import SlotTable, batch_buckets
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+class Scheduler:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        cfg = engine.config
+        window = cfg.sliding_window if cfg.has_sliding_layers else None
+        self.slots = SlotTable(engine.max_batch, engine.max_seq_len, window, engine.model.ring)
+        self.batch_sizes = batch_buckets(engine.max_batch)
+        self._lock = threading.Lock()
+        self._waiting: deque[Request] = deque()
+        self._prefilling: Request | None = None
+        self._running: list[Request] = []
+        self._thread: threading.Thread | None = None
+        self._forget = False  # clear_cache was called while the loop ran
+
+    def submit(self, request: Request) -> None:
+        with self._lock:
+            self._waiting.append(request)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._loop, name="gemma-engine-scheduler", daemon=True
+                )
+                self._thread.start()
+
+    def clear_cache(self) -> None:
+        """Forget the prompts idle slots hold (no later request reuses them)."""
+        with self._lock:
+            if self._thread is None:  # nothing else touches the slots, nor can start to
+                self._forget_idle()
+            else:
+                self._forget = True
+
+    def _forget_idle(self) -> None:
+        for slot in self.slots.slots:
+            if not slot.busy:
+                self.slots.reset(slot)
+        self._forget = False
+
+    def batch_size(self, n: int) -> int:
+        return self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
+
+    # -- the loop --------------------------------------------------------------------------
+    def _loop(self) -> None:
+        with torch.no_grad():  # grad mode is thread-local, and part of a graph's guards
+            while True:
+                with self._lock:
+                    if not (self._waiting or self._prefilling or self._running):
+                        self._thread = None
+                        return
+                try:
+                    self.step()
+                except BaseException as err:  # fail what was in flight; the loop goes on
+                    self._fail_in_flight(err)
+
+    def step(self) -> None:
+        with self._lock:
+            if self._forget:
+                self._forget_idle()
+        self._drop_cancelled()
+        if self._prefilling is None:
+            self._admit()
+        if self._prefilling is not None:
+            self._prefill_chunk(self._prefilling)
+        if self._running:
+            self._decode()
+
+    def _drop_cancelled(self) -> None:
+        with self._lock:
+            for request in [r for r in self._waiting if r.cancelled]:
+                self._waiting.remove(request)
+                request.complete("cancelled")
+        for request in [r for r in (self._prefilling, *self._running) if r and r.cancelled]:
+            self._finish(request, "cancelled")
+
+    def _admit(self) -> None:
+        with self._lock:
+            if not self._waiting or not self.slots.free():
+                return
+            request = self._waiting.popleft()
+        slot, cached = self.slots.acquire(request.ids, reuse=not request.score)
+        request.slot, request.prefilled = slot, cached
+        request.stats["cached_tokens"] = cached
+        request.started = time.perf_counter()
+        request.graphs_before = set(self.engine.compile_seconds)
+        self._prefilling = request
+
+    def _prefill_chunk(self, request: Request) -> None:
+        engine = self.engine
+        start = request.prefilled
+        end = min(start + engine.prefill_chunk, len(request.ids))
+        chunk = request.ids[start:end]
+        hidden = engine.prefill(chunk, start, request.slot.index, all_positions=request.score)
+        self.slots.wrote(request.slot, chunk, start)
+        request.prefilled = end
+        if request.score:
+            request.logits.append(engine.model.logits(hidden)[0].float().cpu())
+        if end < len(request.ids):
+            return
+        self._prefilling = None
+        if request.score:
+            self._finish(request)
+            return
+        token = sample_rows(engine.head(hidden)[:, -1], [request.params], [request.generator])
+        first = int(token.item())
+        request.stats["prefill_seconds"] = time.perf_counter() - request.started
+        if request.accept(first, engine.eos_token_ids):
+            self._finish(request)
+        else:
+            self._running.append(request)
+
+    def _decode(self) -> None:
+        engine = self.engine
+        live = list(self._running)
+        n = len(live)
+        positions = [r.position for r in live]
+        kv_live = engine.bucket_for(max(positions) + 1)
+        prefilling = self._prefilling.slot if self._prefilling is not None else None
+        pads = self.slots.pads(self.batch_size(n) - n, kv_live, prefilling)
+        positions += [pos for _, pos in pads]
+        kv_len = engine.bucket_for(max(positions) + 1)
+        device = engine.device
+        tokens = torch.tensor([[r.token] for r in live] + [[0]] * len(pads), device=device)
+        input_pos = torch.tensor(positions, device=device)[:, None]  # (B, 1)
+        rows = torch.tensor(
+            [r.slot.index for r in live] + [s.index for s, _ in pads], device=device
+        )
+        fresh = engine.compile and (len(rows), kv_len) not in engine.compile_seconds
+        start = time.perf_counter()
+        logits = engine.step(tokens, input_pos, kv_len, rows)[:n, -1]  # (n, vocab)
+        sampled = sample_rows(logits, [r.params for r in live], [r.generator for r in live])
+        values = sampled.tolist()
+        seconds = time.perf_counter() - start
+        for request, value in zip(live, values, strict=True):
+            self.slots.wrote(request.slot, [request.token], request.position)
+            stats = request.stats
+            if not stats["buckets_used"] or stats["buckets_used"][-1] != kv_len:
+                stats["buckets_used"].append(kv_len)
+            if not fresh:  # a step that compiled a graph is not decode speed
+                stats["decode_seconds"] += seconds
+                stats["decode_tokens"] += 1
+            if request.accept(value, engine.eos_token_ids):
+                self._finish(request)
+
+    def _finish(self, request: Request, reason: str | None = None) -> None:
+        """Free the request's slot (idle: it keeps its tokens) and hand over the result."""
+        if request is self._prefilling:
+            self._prefilling = None
+        if request in self._running:
+            self._running.remove(request)
+        if request.slot is not None:
+            self.slots.release(request.slot)
+        stats = request.stats
+        pairs = sorted(set(self.engine.compile_seconds) - request.graphs_before)
+        stats["graphs_compiled"] = pairs
+        stats["buckets_compiled"] = sorted({kv for _, kv in pairs})
+        stats["compile_seconds"] = sum(self.engine.compile_seconds[p] for p in pairs)
+        seconds = stats["decode_seconds"]
+        stats["decode_tokens_per_second"] = stats["decode_tokens"] / seconds if seconds else None
+        request.complete(reason)
+
+    def _fail_in_flight(self, error: BaseException) -> None:
+        for request in [r for r in (self._prefilling, *self._running) if r is not None]:
+            if request.slot is not None:
+                self.slots.reset(request.slot)  # what the failed step wrote is unknown
+            request.fail(error)
+        self._prefilling, self._running = None, []

@@ -1,0 +1,199 @@
+"""Batched decoding: aggregate and per-request decode tokens/s at B = 1, 2, 4, 8, and the time to
+first token of a chat's 6th turn with and without prefix reuse. Not a test: run it on a quiet
+machine.
+
+For each weight format (``--weights fp32,int8``) one engine holds ``max(--batches)`` rows with
+one kv bucket covering prompt + generation (so a batch size is one graph); a warm-up batch of
+each size compiles first. A batch of B distinct random prompts of ``--prompt-len`` tokens is
+then submitted at once, greedy, ``--tokens`` new tokens each (EOS ignored, so that every
+request runs its full length). Reported per B: aggregate tokens/s (all new tokens over the
+batch's wall time, prompts included), the decode-only aggregate (the sum of each request's
+own decode rate: its tokens over the steps it ran in), and the mean per-request decode rate.
+
+transformers runs the same prompts as one left-padded batch (``generate``, greedy,
+``min_new_tokens`` = ``max_new_tokens``), timed as generate(N) minus generate(1).
+llama.cpp's parallel decoding (``llama-batched-bench``) is not driven here yet.
+
+``--batched-linear gemm`` makes the engine's batched CPU decode use F.linear instead of the
+fused multiply-reduce (model.BATCHED_FUSED), to compare the two end to end.
+
+    .venv/bin/python scripts/bench_batch.py [--weights fp32,int8] [--batches 1,2,4,8]
+    .venv/bin/python scripts/bench_batch.py --smoke   # seconds: does it run
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _benchutil as bu  # noqa: E402
+
+from gemma_engine import Engine, model  # noqa: E402
+from gemma_engine.gguf import ensure_default_model  # noqa: E402
+
+
+def prompts_for(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        [2, *torch.randint(1000, vocab, (length - 1,), generator=g).tolist()] for _ in range(batch)
+    ]
+
+
+def engine_batches(args, weights: str) -> list[dict]:
+    ctx = args.prompt_len + args.tokens
+    engine = Engine.from_pretrained(
+        args.model,
+        quantize=None if weights == "fp32" else weights,
+        compile=not args.no_compile,
+        max_seq_len=ctx,
+        buckets=[ctx],
+        max_batch=max(args.batches),
+    )
+    engine.eos_token_ids = set()  # every request runs its full length
+    vocab = engine.config.vocab_size
+    rows = []
+    for b in args.batches:  # warm-up: compiles the graph of each batch size
+        # One request is admitted per step, so each runs b + 2 tokens: all b decode together.
+        warm = prompts_for(b, args.prompt_len, vocab, 0)
+        for r in [engine.submit(p, max_new_tokens=b + 2) for p in warm]:
+            r.result()
+    for b in args.batches:
+        engine.clear_cache()
+        prompts = prompts_for(b, args.prompt_len, vocab, seed=b)
+        start = time.perf_counter()
+        results = [
+            r.result() for r in [engine.submit(p, max_new_tokens=args.tokens) for p in prompts]
+        ]
+        wall = time.perf_counter() - start
+        rates = [g.stats["decode_tokens_per_second"] or 0.0 for g in results]
+        rows.append(
+            {
+                "engine": f"gemma-engine {weights}",
+                "batch": b,
+                "aggregate_tok_s": sum(len(g.token_ids) for g in results) / wall,
+                "decode_aggregate_tok_s": sum(rates),
+                "per_request_tok_s": sum(rates) / len(rates),
+                "graphs": sorted(engine.compile_seconds),
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+    del engine
+    gc.collect()
+    return rows
+
+
+def transformers_batches(args) -> list[dict]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    vocab = hf.config.vocab_size
+    rows = []
+    for b in args.batches:
+        ids = torch.tensor(prompts_for(b, args.prompt_len, vocab, seed=b))
+        mask = torch.ones_like(ids)  # equal lengths: the left padding is empty
+
+        def run(n: int, ids=ids, mask=mask) -> float:
+            start = time.perf_counter()
+            with torch.no_grad():
+                hf.generate(
+                    ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False
+                )
+            return time.perf_counter() - start
+
+        run(2)  # warm-up
+        seconds = run(args.tokens) - run(1)
+        rows.append(
+            {
+                "engine": "transformers fp32",
+                "batch": b,
+                "decode_aggregate_tok_s": b * (args.tokens - 1) / seconds,
+                "per_request_tok_s": (args.tokens - 1) / seconds,
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def chat_ttft(args) -> dict:
+    """Five turns of about ``--history / 5`` tokens each, then the 6th: its first token."""
+    engine = Engine.from_pretrained(
+        args.model, compile=not args.no_compile, max_seq_len=args.history + 512, max_batch=1
+    )
+    vocab = engine.config.vocab_size
+    turn_len = args.history // 5
+    history: list[int] = []
+    for turn in range(6):
+        message = prompts_for(1, turn_len, vocab, seed=100 + turn)[0][1:]
+        history += engine.chat_prompt(engine.tokenizer.decode(message))[0 if turn == 0 else 1 :]
+        if turn == 4:
+            turn5 = list(history)
+        if turn < 5:
+            history += engine.generate(history, max_new_tokens=8).token_ids
+    out = {}
+    for mode in ("reuse", "fresh"):
+        engine.clear_cache()
+        if mode == "reuse":  # turn 5 again (greedy: the same reply): the slot holds turns 1-5
+            engine.generate(turn5, max_new_tokens=8)
+        g = engine.generate(history, max_new_tokens=1)
+        out[mode] = {
+            "ttft_s": g.stats["prefill_seconds"],
+            "cached_tokens": g.stats["cached_tokens"],
+        }
+    out["prompt_tokens"] = len(history)
+    print(json.dumps({"chat_6th_turn": out}), flush=True)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="default: Gemma 3 270M")
+    p.add_argument("--weights", default="fp32,int8")
+    p.add_argument("--batches", default="1,2,4,8")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--history", type=int, default=2000, help="chat history tokens before turn 6")
+    p.add_argument("--batched-linear", choices=["fused", "gemm"], default="fused")
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--no-transformers", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="tiny settings, eager: does it run")
+    p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    info = bu.machine_info("cpu", args.threads)
+    bandwidth = bu.measure_bandwidth("cpu")
+    print(f"machine: {bu.machine_line(info)}\nversions: {bu.versions_line(info)}", flush=True)
+    print(f"memory bandwidth: {json.dumps(bandwidth)}", flush=True)
+    if args.smoke:
+        args.weights, args.batches, args.prompt_len, args.tokens = "fp32", "1,2", 8, 4
+        args.history, args.no_compile = 100, True
+    args.model = str(args.model or ensure_default_model())
+    args.batches = [int(b) for b in args.batches.split(",")]
+    model.BATCHED_FUSED = args.batched_linear == "fused"
+    results = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "machine": info,
+        "bandwidth": bandwidth,
+        "rows": [],
+    }
+    for weights in args.weights.split(","):
+        results["rows"] += engine_batches(args, weights)
+    if not args.no_transformers:
+        results["rows"] += transformers_batches(args)
+    results["chat"] = chat_ttft(args)
+    if args.json:
+        tmp = args.json.with_suffix(".partial")
+        tmp.write_text(json.dumps(results, indent=2) + "\n")
+        tmp.rename(args.json)
+
+
+if __name__ == "__main__":
+    main()
