@@ -5,8 +5,9 @@ bucket. Each (batch bucket, kv bucket) pair is one compiled graph
 (``torch.compile(mode="reduce-overhead", fullgraph=True, dynamic=False)``): shapes inside a
 graph are static, so CUDA graphs apply, and a step never pays for the unused tail of the cache
 beyond its bucket. Requests are queued, admitted into cache rows (slots.py) and stepped
-together by the scheduler (scheduler.py), on a background thread; ``submit`` returns a handle
-at once, and ``generate``, ``stream`` and ``score`` are clients of the same machinery.
+together by the scheduler (scheduler.py), on the thread that waits for them; ``submit``
+returns a handle at once, and ``generate``, ``stream`` and ``score`` are clients of the same
+machinery.
 """
 
 from __future__ import annotations
@@ -174,7 +175,7 @@ class Engine:
             raise
         return folder
 
-    # -- the model calls (made by the scheduler's thread) ------------------------------------
+    # -- the model calls (made by the thread running steps) ---------------------------------
     def bucket_for(self, length: int) -> int:
         """The smallest bucket holding ``length`` positions."""
         return self.buckets[bisect.bisect_left(self.buckets, length)]
@@ -239,7 +240,7 @@ class Engine:
         """Queue a generation and return its handle at once; safe from any thread.
 
         Iterate the handle for text pieces, ``cancel()`` it, or ``result()`` for the
-        Generation. The engine's scheduler thread runs it (see scheduler.py). Invalid
+        Generation. Waiting on it runs the engine (see scheduler.py). Invalid
         arguments raise InvalidRequestError here, before anything is queued.
         """
         params = SamplingParams(temperature, top_k, top_p, seed)

@@ -167,10 +167,12 @@ class KVCache(nn.Module):
         # k, v: (B, KV, T, D); input_pos: (B, T); rows: (B,)
         index = input_pos if self.window is None else torch.remainder(input_pos, self.slots)
         n = kv_len if self.window is None else min(kv_len, self.slots)
-        # (rows, S, KV, D) views: one advanced index pair (row, position) per new token.
-        where = (rows[:, None], index)  # (B, 1), (B, T)
-        self.k.transpose(1, 2).index_put_(where, k.transpose(1, 2))
-        self.v.transpose(1, 2).index_put_(where, v.transpose(1, 2))
+        # One advanced index triple (row, head, position) per new key, on the buffer itself: the
+        # same write through a transposed view makes the compiled step copy the whole buffer.
+        heads = torch.arange(k.shape[1], device=k.device)[None, :, None]  # (1, KV, 1)
+        where = (rows[:, None, None], heads, index[:, None, :])  # broadcast to (B, KV, T)
+        self.k.index_put_(where, k)
+        self.v.index_put_(where, v)
         # Each batch row reads its own cache row; in a compiled step the gather fuses into
         # attention's reductions.
         keys = self.k[:, :, :n].index_select(0, rows)  # (B, KV, n, D)

@@ -2,13 +2,15 @@
 
 ``Engine.submit`` returns a ``Request`` at once. The caller iterates it for text pieces as they
 are decoded, calls ``cancel()``, or blocks in ``result()`` for the ``Generation``. The
-scheduler's thread fills it; every method here is safe to call from any thread.
+thread that waits on it drives the engine (see scheduler.py); every method here is safe to call
+from any thread.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,7 +60,8 @@ class Request:
         self.generator = None
         if params.seed is not None:  # its own generator: the same draws whatever the batch
             self.generator = torch.Generator(device).manual_seed(params.seed)
-        # Scheduler state (touched only by the scheduler's thread).
+        self.advance: Any = None  # set by Scheduler.submit: run or wait for one step
+        # Scheduler state (touched only by the thread running steps).
         self.slot: Any = None  # slots.Slot while it holds one
         self.prefilled = 0  # prompt positions in the cache
         self.token: int | None = None  # the last token sampled, fed at the next step
@@ -79,7 +82,14 @@ class Request:
     # -- the caller's side ---------------------------------------------------------------
     def __iter__(self) -> Iterator[str]:
         """Text pieces as they are decoded; ends when the request does (re-raises its error)."""
-        while (piece := self._pieces.get()) is not None:
+        while True:
+            try:
+                piece = self._pieces.get_nowait()
+            except queue.Empty:
+                self.advance()
+                continue
+            if piece is None:
+                break
             yield piece
         if self._error is not None:
             raise self._error
@@ -99,8 +109,11 @@ class Request:
 
     def result(self, timeout: float | None = None) -> Generation:
         """Block until the request ends; its Generation (or the error that ended it)."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"the request did not finish within {timeout} s")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._done.is_set():
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"the request did not finish within {timeout} s")
+            self.advance()
         if self._error is not None:
             raise self._error
         return self._result

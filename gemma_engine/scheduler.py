@@ -1,6 +1,6 @@
-"""The scheduler: which requests run in the next step, driven by one background thread.
+"""The scheduler: which requests run in the next step, and which thread runs the model.
 
-Each iteration of the loop, between model steps:
+Each step, between model calls:
 1. drops cancelled requests (a running one frees its slot; a queued one just leaves the queue);
 2. admits the first waiting request into a free slot (reusing the longest cached prefix, see
    slots.py) if no other prompt is being prefilled;
@@ -9,9 +9,17 @@ Each iteration of the loop, between model steps:
 4. runs one batched decode step for every running request (the one whose prompt just finished
    included), padded up to a batch bucket.
 
-The thread starts when a request is submitted and none is running, and exits when nothing is
-left to do, so an idle engine holds no thread (and can be garbage-collected). Model calls happen
-only on that thread; ``submit`` and ``Request.cancel`` may be called from any thread.
+Who drives: the caller. A thread waiting on a request (``Request.result()``, iterating it, and
+so ``Engine.generate``/``stream``/``score``) runs steps itself while no other thread does, for
+every request in flight, and hands over when its own request ends; a server runs
+``run_forever`` on one thread instead. ``submit`` and ``Request.cancel`` are safe from any
+thread. Why not a background thread: OpenMP (PyTorch's CPU threads) keeps one worker pool per
+thread that starts parallel work, and once two such threads exist on a machine with no spare
+core, libgomp stops spinning at its barriers and every parallel region sleeps and wakes (about
+110 context switches a step here): the default model's int8 step went from 15-17 ms on the
+thread that had loaded it to 21-27 ms on a second thread (BENCHMARKS.md). Driving on the
+caller's thread keeps the model on the thread that loaded it, and leaves no thread behind at
+exit.
 """
 
 from __future__ import annotations
@@ -39,29 +47,25 @@ class Scheduler:
         window = cfg.sliding_window if cfg.has_sliding_layers else None
         self.slots = SlotTable(engine.max_batch, engine.max_seq_len, window, engine.model.ring)
         self.batch_sizes = batch_buckets(engine.max_batch)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the queues below, between submitters and the driver
         self._waiting: deque[Request] = deque()
         self._prefilling: Request | None = None
         self._running: list[Request] = []
-        self._thread: threading.Thread | None = None
-        self._forget = False  # clear_cache was called while the loop ran
+        self._forget = False  # clear_cache was called: idle slots drop their prompts
+        self._driving = threading.Lock()  # held by the thread running steps
+        self._work = threading.Event()  # set on submit, for run_forever to wake up
 
     def submit(self, request: Request) -> None:
+        request.advance = self.advance
         with self._lock:
             self._waiting.append(request)
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._loop, name="gemma-engine-scheduler", daemon=True
-                )
-                self._thread.start()
+        self._work.set()
 
     def clear_cache(self) -> None:
-        """Forget the prompts idle slots hold (no later request reuses them)."""
+        """Forget the prompts idle slots hold (no later request reuses them); takes effect
+        before the next admission."""
         with self._lock:
-            if self._thread is None:  # nothing else touches the slots, nor can start to
-                self._forget_idle()
-            else:
-                self._forget = True
+            self._forget = True
 
     def _forget_idle(self) -> None:
         for slot in self.slots.slots:
@@ -69,22 +73,46 @@ class Scheduler:
                 self.slots.reset(slot)
         self._forget = False
 
+    def busy(self) -> bool:
+        with self._lock:
+            return bool(self._waiting or self._prefilling or self._running)
+
+    # -- driving -----------------------------------------------------------------------------
+    def advance(self, wait: float = 0.005) -> None:
+        """Make progress for whoever waits: run one step if no other thread is running steps,
+        else wait up to ``wait`` seconds for that thread (the caller then checks its request)."""
+        if not self._driving.acquire(timeout=wait):
+            return
+        try:
+            if self.busy():
+                self._step_or_fail()
+        finally:
+            self._driving.release()
+
+    def run_forever(self, stop: threading.Event) -> None:
+        """Run steps on this thread until ``stop`` is set, sleeping while there is no work
+        (a server's engine thread). Other threads' waits then only wait."""
+        with self._driving:
+            while not stop.is_set():
+                if not self.busy():
+                    self._work.wait(0.1)
+                    self._work.clear()
+                    continue
+                self._step_or_fail()
+
+    def _step_or_fail(self) -> None:
+        with torch.no_grad():  # grad mode is thread-local, and part of a graph's guards
+            try:
+                self.step()
+            except BaseException as err:  # fail what was in flight; the engine goes on
+                self._fail_in_flight(err)
+                if not isinstance(err, Exception):  # KeyboardInterrupt, SystemExit
+                    raise
+
     def batch_size(self, n: int) -> int:
         return self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
 
-    # -- the loop --------------------------------------------------------------------------
-    def _loop(self) -> None:
-        with torch.no_grad():  # grad mode is thread-local, and part of a graph's guards
-            while True:
-                with self._lock:
-                    if not (self._waiting or self._prefilling or self._running):
-                        self._thread = None
-                        return
-                try:
-                    self.step()
-                except BaseException as err:  # fail what was in flight; the loop goes on
-                    self._fail_in_flight(err)
-
+    # -- one step ---------------------------------------------------------------------------
     def step(self) -> None:
         with self._lock:
             if self._forget:
