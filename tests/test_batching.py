@@ -195,6 +195,15 @@ def test_cancellation_frees_the_slot_and_changes_no_one(engine):
     assert engine.scheduler.slots.free() == engine.max_batch
 
 
+def test_closing_a_stream_frees_its_slot(engine):
+    engine.clear_cache()
+    stream = engine.stream(ids_for(6, seed=8), max_new_tokens=50)
+    next(stream)
+    stream.close()  # as a client that stops reading does
+    assert engine.last_stats["decode_tokens"] < 49
+    assert engine.scheduler.slots.free() == engine.max_batch
+
+
 def test_waiting_threads_drive_and_hand_over(engine):
     """Two threads each generate at once: whichever waits runs the steps for both, and hands
     over when its own request ends; each gets what it gets alone."""
