@@ -87,7 +87,7 @@ class Engine:
                 model, mode="reduce-overhead", fullgraph=True, dynamic=False
             )
         self._head = model.logits
-        self._head_compiled = False
+        self._head_compiles = False  # True until a compiled head's first call
         if compile and not isinstance(model.model.embed_tokens, torch.nn.Embedding):
             # A prompt's layers run eagerly (lengths vary, the matmuls are large), but its one
             # row of logits is a product with the whole output matrix, which eagerly would
@@ -95,6 +95,7 @@ class Engine:
             # bytes as decode does. Float weights keep MKL's GEMV here: tens of milliseconds,
             # against a compile of up to 12 s before a fresh process's first token.
             self._head = torch.compile(model.logits, fullgraph=True, dynamic=False)
+            self._head_compiles = True
         self.scheduler = Scheduler(self)
 
     @classmethod
@@ -208,8 +209,8 @@ class Engine:
         if not self.compile:
             return self.model(tokens, input_pos, kv_len, rows)
         fresh = (B, kv_len) not in self.compile_seconds
-        what = f"the decode graph for {B} row{'s' * (B > 1)} and kv bucket {kv_len}"
         if fresh:
+            what = f"the decode graph for {B} row{'s' * (B > 1)} and kv bucket {kv_len}"
             self._tell(f"compiling {what} (once per bucket; a compile cache speeds it up later)")
         start = time.perf_counter()
         limit = max(Engine._graphs_allowed, 8)
@@ -232,14 +233,14 @@ class Engine:
 
     def head(self, hidden: Tensor) -> Tensor:
         """Logits of the last prompt position (1, 1, vocab)."""
-        fresh = self._head is not self.model.logits and not self._head_compiled
+        fresh = self._head_compiles
         if fresh:
             self._tell("compiling the output layer for prompts (once per process)")
         start = time.perf_counter()
         with cpu.compile_config():
             logits = self._head(hidden)
         if fresh:
-            self._head_compiled = True
+            self._head_compiles = False
             self._tell(f"the output layer is ready ({time.perf_counter() - start:.1f} s)")
         return logits
 
