@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from . import cpu, quant
+from .chat_format import chat_ids
 from .config import GemmaConfig
 from .errors import InvalidRequestError
 from .inputs import check_device, check_dtype, check_generation_args, check_token_ids, parse_dtype
@@ -312,30 +313,10 @@ class Engine:
         the start of the first user turn, as their templates do. The turn markers are inserted
         by id, never parsed out of the text, so user text cannot open or close a turn.
         """
-        tok = self.tokenizer
-
-        def text(s: str) -> list[int]:
-            return tok.encode(s, add_bos=False)
-
-        system_turn: list[int] = []
-        if self.config.model_type == "gemma4_text":
-            start, end = tok.special_id("<|turn>"), tok.special_id("<turn|>")
-            if system is not None:
-                system_turn = [start, *text(f"system\n{system}"), end, *text("\n")]
-        else:
-            start, end = tok.special_id("<start_of_turn>"), tok.special_id("<end_of_turn>")
-            if system is not None:
-                message = f"{system}\n\n{message}"
-        return [
-            tok.bos_id,
-            *system_turn,
-            start,
-            *text(f"user\n{message}"),
-            end,
-            *text("\n"),
-            start,
-            *text("model\n"),
-        ]
+        messages = [{"role": "user", "content": message}]
+        if system is not None:
+            messages.insert(0, {"role": "system", "content": system})
+        return chat_ids(self.tokenizer, self.config.model_type, messages)
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
