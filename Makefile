@@ -8,7 +8,7 @@ PROMPT ?= The capital of France is
 ARGS ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: setup weights run test lint format bench bench-buckets llama-cpp clean
+.PHONY: setup weights run test lint format bench bench-buckets llama-cpp llama-batched-bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,21 @@ llama-cpp: $(STAMP)
 	$(BIN)/pip install -q --no-cache-dir --no-deps --no-binary llama-cpp-python --target .llama/native "$(LLAMA_CPP)"
 	CMAKE_ARGS="$(LLAMA_AVX2)" $(BIN)/pip install -q --no-cache-dir --no-deps --no-binary llama-cpp-python \
 		--target .llama/avx2 "$(LLAMA_CPP)"
+
+# llama.cpp's parallel decoding benchmark, from the vendored source of the same sdist (a few
+# minutes on 2 cores; one target of a static build): .llama/bin/llama-batched-bench, for
+# scripts/bench_batch.py. LLAMA_CMAKE="$(LLAMA_AVX2)" builds it for AVX2 only.
+LLAMA_CMAKE ?= -DGGML_NATIVE=ON
+llama-batched-bench: $(STAMP)
+	rm -rf .llama/src && mkdir -p .llama/src .llama/bin
+	$(BIN)/pip download -q --no-deps --no-binary :all: -d .llama/src "$(LLAMA_CPP)"
+	tar xzf .llama/src/llama_cpp_python-*.tar.gz -C .llama/src
+	cmake -S .llama/src/llama_cpp_python-*/vendor/llama.cpp -B .llama/src/build -G Ninja \
+		-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF $(LLAMA_CMAKE)
+	cmake --build .llama/src/build --target llama-batched-bench -j 2
+	cp .llama/src/build/bin/llama-batched-bench .llama/bin/llama-batched-bench.partial
+	mv .llama/bin/llama-batched-bench.partial .llama/bin/llama-batched-bench
+	rm -rf .llama/src
 
 clean:
 	rm -rf $(VENV) weights/gemma-3-270m

@@ -292,6 +292,8 @@ class Engine:
             yield from request
         finally:
             request.cancel()  # no-op once it is done
+            while not request.done:  # free its slot now: the next step drops it
+                self.scheduler.advance()
 
     def score(self, token_ids: list[int]) -> Tensor:
         """float32 logits (len(token_ids), vocab) of one pass over the sequence (in chunks)."""

@@ -11,8 +11,14 @@ batch's wall time, prompts included), the decode-only aggregate (the sum of each
 own decode rate: its tokens over the steps it ran in), and the mean per-request decode rate.
 
 transformers runs the same prompts as one left-padded batch (``generate``, greedy,
-``min_new_tokens`` = ``max_new_tokens``), timed as generate(N) minus generate(1).
-llama.cpp's parallel decoding (``llama-batched-bench``) is not driven here yet.
+``min_new_tokens`` = ``max_new_tokens``), timed as generate(N) minus generate(1). llama.cpp
+decodes B sequences in parallel with its own ``llama-batched-bench`` (``make
+llama-batched-bench`` builds it from the vendored source of the llama-cpp-python sdist), on
+the default model's Q4_K_M GGUF: its S_TG column (B x TG tokens over the generation time).
+
+``--bucket-contexts`` (the seed experiment in the batched regime): one step of B=8 rows at
+position ctx - 1 through the graph of the kv bucket against the graph reading the whole
+``max_seq_len`` buffer, at each context.
 
 ``--batched-linear gemm`` makes the engine's batched CPU decode use F.linear instead of the
 fused multiply-reduce (model.BATCHED_FUSED), to compare the two end to end.
@@ -26,6 +32,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,6 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _benchutil as bu  # noqa: E402
+from bench import default_gguf  # noqa: E402
 
 from gemma_engine import Engine, model  # noqa: E402
 from gemma_engine.gguf import ensure_default_model  # noqa: E402
@@ -88,6 +97,80 @@ def engine_batches(args, weights: str) -> list[dict]:
     del engine
     gc.collect()
     return rows
+
+
+def llama_cpp_batches(args) -> list[dict]:
+    exe = args.llama_batched_bench
+    if not exe.is_file():
+        print(f"llama.cpp: {exe} not found (make llama-batched-bench); skipped", flush=True)
+        return []
+    gguf = default_gguf()
+    if gguf is None:
+        print("llama.cpp: the default model's GGUF package is not installed; skipped", flush=True)
+        return []
+    pp, tg = args.prompt_len, args.tokens
+    cmd = [str(exe), "-m", gguf, "-c", str(max(args.batches) * (pp + tg))]
+    cmd += ["-b", "2048", "-ub", "512", "-npp", str(pp), "-ntg", str(tg)]
+    cmd += ["-npl", ",".join(map(str, args.batches)), "-t", str(args.threads)]
+    cmd += ["-tb", str(args.threads), "--output-format", "jsonl"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=1800).stdout
+    rows = []
+    for line in out.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            rows.append(
+                {
+                    "engine": "llama.cpp Q4_K_M",
+                    "batch": r["pl"],
+                    "decode_aggregate_tok_s": r["speed_tg"],
+                    "per_request_tok_s": r["speed_tg"] / r["pl"],
+                    "prompt_tok_s": r["speed_pp"],
+                }
+            )
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def bucket_experiment(args) -> list[dict]:
+    """B=8 decode steps: the kv bucket's graph against the full buffer's, per context."""
+    contexts = [int(c) for c in args.bucket_contexts.split(",")]
+    full = max(contexts)
+    engine = Engine.from_pretrained(
+        args.model,
+        quantize=None if args.bucket_weights == "fp32" else args.bucket_weights,
+        compile=not args.no_compile,
+        max_seq_len=full,
+        buckets=sorted(set(contexts)),
+        max_batch=8,
+    )
+    tokens = torch.full((8, 1), 1000)
+    rows_ = torch.arange(8)
+    out = []
+    with torch.no_grad():
+        for ctx in contexts:
+            pos = torch.full((8, 1), ctx - 1)
+            times = {}
+            for label, kv in (("bucketed", ctx), ("full", full)):
+                for _ in range(3):  # compiles the pair's graph once, then warms up
+                    engine.step(tokens, pos, kv, rows_)
+                samples = []
+                for _ in range(args.bucket_repeats):
+                    start = time.perf_counter()
+                    engine.step(tokens, pos, kv, rows_)
+                    samples.append(time.perf_counter() - start)
+                times[label] = statistics.median(samples)
+            row = {
+                "context": ctx,
+                "weights": args.bucket_weights,
+                "bucketed_ms": 1e3 * times["bucketed"],
+                "full_ms": 1e3 * times["full"],
+                "speedup": times["full"] / times["bucketed"],
+            }
+            out.append(row)
+            print(json.dumps({"bucket_b8": row}), flush=True)
+    del engine
+    gc.collect()
+    return out
 
 
 def transformers_batches(args) -> list[dict]:
@@ -163,6 +246,14 @@ def main() -> None:
     p.add_argument("--batched-linear", choices=["fused", "gemm"], default="fused")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--no-transformers", action="store_true")
+    p.add_argument("--no-llama-cpp", action="store_true")
+    p.add_argument(
+        "--llama-batched-bench", type=Path, default=Path(".llama/bin/llama-batched-bench")
+    )
+    p.add_argument("--bucket-contexts", default="1024,2048,4096,8192", help="'' skips it")
+    p.add_argument("--bucket-weights", default="fp32")
+    p.add_argument("--bucket-repeats", type=int, default=10)
+    p.add_argument("--no-chat", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny settings, eager: does it run")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
@@ -175,6 +266,7 @@ def main() -> None:
     if args.smoke:
         args.weights, args.batches, args.prompt_len, args.tokens = "fp32", "1,2", 8, 4
         args.history, args.no_compile = 100, True
+        args.bucket_contexts, args.bucket_repeats = "64,128", 2
     args.model = str(args.model or ensure_default_model())
     args.batches = [int(b) for b in args.batches.split(",")]
     model.BATCHED_FUSED = args.batched_linear == "fused"
@@ -188,7 +280,12 @@ def main() -> None:
         results["rows"] += engine_batches(args, weights)
     if not args.no_transformers:
         results["rows"] += transformers_batches(args)
-    results["chat"] = chat_ttft(args)
+    if not args.no_llama_cpp:
+        results["rows"] += llama_cpp_batches(args)
+    if args.bucket_contexts:
+        results["bucket_b8"] = bucket_experiment(args)
+    if not args.no_chat:
+        results["chat"] = chat_ttft(args)
     if args.json:
         tmp = args.json.with_suffix(".partial")
         tmp.write_text(json.dumps(results, indent=2) + "\n")

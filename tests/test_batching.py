@@ -9,7 +9,7 @@ wrap many times inside these sequences.
 from __future__ import annotations
 
 import random
-import time
+import threading
 
 import pytest
 import torch
@@ -183,7 +183,7 @@ def test_cancellation_frees_the_slot_and_changes_no_one(engine):
     queued = engine.submit(other, max_new_tokens=50)  # the fifth request waits
     queued.cancel()
     while not doomed[0].new_ids:  # it runs (its text may come later: bytes of a character)
-        time.sleep(0.001)
+        engine.scheduler.advance()  # nothing waits on a request yet: this thread drives
     doomed[0].cancel()
     late = engine.submit(ids_for(4, seed=7), max_new_tokens=5)  # takes the freed slot
     assert len(late.result().token_ids) == 5
@@ -193,6 +193,59 @@ def test_cancellation_frees_the_slot_and_changes_no_one(engine):
     assert queued.result().finish_reason == "cancelled" and queued.result().token_ids == []
     assert [d.result().token_ids for d in doomed[1:]] == [expected_other] * 2
     assert engine.scheduler.slots.free() == engine.max_batch
+
+
+def test_closing_a_stream_frees_its_slot(engine):
+    engine.clear_cache()
+    stream = engine.stream(ids_for(6, seed=8), max_new_tokens=50)
+    next(stream)
+    stream.close()  # as a client that stops reading does
+    assert engine.last_stats["decode_tokens"] < 49
+    assert engine.scheduler.slots.free() == engine.max_batch
+
+
+def test_waiting_threads_drive_and_hand_over(engine):
+    """Two threads each generate at once: whichever waits runs the steps for both, and hands
+    over when its own request ends; each gets what it gets alone."""
+    prompts = [ids_for(7, seed=21), ids_for(12, seed=22)]
+    budgets = [8, 30]  # the first thread stops driving long before the second's request ends
+    alone = []
+    for p, n in zip(prompts, budgets, strict=True):
+        engine.clear_cache()
+        alone.append(engine.generate(p, max_new_tokens=n).token_ids)
+    engine.clear_cache()
+    got: dict[int, list[int]] = {}
+
+    def run(i: int) -> None:
+        got[i] = engine.generate(prompts[i], max_new_tokens=budgets[i]).token_ids
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert [got.get(0), got.get(1)] == alone
+
+
+def test_run_forever_serves_requests_from_other_threads(engine):
+    """A server's engine thread drives for good; callers elsewhere only submit and wait."""
+    prompt = ids_for(9, seed=31)
+    engine.clear_cache()
+    solo = engine.generate(prompt, max_new_tokens=12)
+    expected = solo.token_ids
+    engine.clear_cache()
+    stop = threading.Event()
+    loop = threading.Thread(target=engine.scheduler.run_forever, args=(stop,))
+    loop.start()
+    try:
+        requests = [engine.submit(prompt, max_new_tokens=12) for _ in range(3)]
+        assert [r.result(timeout=120).token_ids for r in requests] == [expected] * 3
+        pieces = "".join(engine.submit(prompt, max_new_tokens=12))  # iterating waits too
+        assert pieces == solo.text
+    finally:
+        stop.set()
+        loop.join(timeout=30)
+    assert not loop.is_alive()
 
 
 # -- prefix reuse ------------------------------------------------------------------------
