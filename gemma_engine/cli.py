@@ -87,6 +87,14 @@ def main(argv: list[str] | None = None) -> int:
             quantize=args.quantize,
             group_size=args.group_size,
         )
+        at_line_start = True
+
+        def tell(text: str) -> None:  # a graph compiles: say so on a line of its own
+            sys.stdout.flush()
+            print(("" if at_line_start else "\n") + f"gemma-run: {text}", file=sys.stderr)
+            sys.stderr.flush()
+
+        engine.on_compile = tell
         request = engine.chat_prompt(prompt, system=args.system) if args.chat else prompt
         start = time.perf_counter()
         first = None
@@ -104,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(piece)
             sys.stdout.flush()
             printed = True
+            at_line_start = piece.endswith("\n")
         sys.stdout.write("\n")
         sys.stdout.flush()
         print(_summary(engine.last_stats, first, engine.quantization), file=sys.stderr)

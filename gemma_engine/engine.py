@@ -17,7 +17,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,9 @@ class Engine:
         self.compile = compile
         # (batch bucket, kv bucket) -> seconds its first call took (it compiled the graph)
         self.compile_seconds: dict[tuple[int, int], float] = {}
+        # Told (with one line of text) when a graph starts compiling and when it is ready:
+        # gemma-run prints it, so that a first call's pause is never silent.
+        self.on_compile: Callable[[str], None] | None = None
         self.last_stats: dict[str, Any] = {}  # stats of the latest request, even a stream's
         self.quantization: tuple[str, int | None] | None = None  # (method, group size)
         self._source: Any = None  # the Checkpoint loaded, less its tensors (save_pretrained)
@@ -85,6 +88,7 @@ class Engine:
                 model, mode="reduce-overhead", fullgraph=True, dynamic=False
             )
         self._head = model.logits
+        self._head_compiles = False  # True until a compiled head's first call
         if compile and not isinstance(model.model.embed_tokens, torch.nn.Embedding):
             # A prompt's layers run eagerly (lengths vary, the matmuls are large), but its one
             # row of logits is a product with the whole output matrix, which eagerly would
@@ -92,6 +96,7 @@ class Engine:
             # bytes as decode does. Float weights keep MKL's GEMV here: tens of milliseconds,
             # against a compile of up to 12 s before a fresh process's first token.
             self._head = torch.compile(model.logits, fullgraph=True, dynamic=False)
+            self._head_compiles = True
         self.scheduler = Scheduler(self)
 
     @classmethod
@@ -204,12 +209,18 @@ class Engine:
             rows = torch.arange(B, device=tokens.device)
         if not self.compile:
             return self.model(tokens, input_pos, kv_len, rows)
+        fresh = (B, kv_len) not in self.compile_seconds
+        if fresh:
+            what = f"the decode graph for {B} row{'s' * (B > 1)} and kv bucket {kv_len}"
+            self._tell(f"compiling {what} (once per bucket; a compile cache speeds it up later)")
         start = time.perf_counter()
         limit = max(Engine._graphs_allowed, 8)
         limits = dict(recompile_limit=limit, accumulated_recompile_limit=max(limit, 256))
         with cpu.compile_config(), torch._dynamo.config.patch(limits):
             logits = self._compiled(tokens, input_pos, kv_len, rows)
-        self.compile_seconds.setdefault((B, kv_len), time.perf_counter() - start)  # compiled
+        if fresh:
+            self.compile_seconds[(B, kv_len)] = seconds = time.perf_counter() - start
+            self._tell(f"{what} is ready ({seconds:.1f} s)")
         return logits
 
     def prefill(self, ids: list[int], start: int, row: int, all_positions: bool) -> Tensor:
@@ -223,8 +234,20 @@ class Engine:
 
     def head(self, hidden: Tensor) -> Tensor:
         """Logits of the last prompt position (1, 1, vocab)."""
+        fresh = self._head_compiles
+        if fresh:
+            self._tell("compiling the output layer for prompts (once per process)")
+        start = time.perf_counter()
         with cpu.compile_config():
-            return self._head(hidden)
+            logits = self._head(hidden)
+        if fresh:
+            self._head_compiles = False
+            self._tell(f"the output layer is ready ({time.perf_counter() - start:.1f} s)")
+        return logits
+
+    def _tell(self, text: str) -> None:
+        if self.on_compile is not None:
+            self.on_compile(text)
 
     # -- the public API ---------------------------------------------------------------------
     def submit(

@@ -61,13 +61,25 @@ def test_generation_compiles_one_graph_per_bucket(tiny_checkpoints):
     compiled = Engine.from_pretrained(folder, compile=True, max_seq_len=64, buckets=BUCKETS)
     eager = Engine.from_pretrained(folder, compile=False, max_seq_len=64, buckets=BUCKETS)
     prompt = ids_for(6, seed=3)
+    notices: list[str] = []
+    compiled.on_compile = notices.append  # what gemma-run prints on stderr
     graphs = counters["stats"]["unique_graphs"]
     first = compiled.generate(prompt, max_new_tokens=30)  # positions 6..35: buckets 8..64
     assert first.stats["buckets_compiled"] == first.stats["buckets_used"] == [8, 16, 32, 64]
+    # Each new graph is announced before it compiles and again, with its time, once ready.
+    assert [n.split(" (")[0] for n in notices if "decode graph" in n] == [
+        line
+        for kv in (8, 16, 32, 64)
+        for line in (
+            f"compiling the decode graph for 1 row and kv bucket {kv}",
+            f"the decode graph for 1 row and kv bucket {kv} is ready",
+        )
+    ]
     assert counters["stats"]["unique_graphs"] - graphs == 4
     assert first.token_ids == eager.generate(prompt, max_new_tokens=30).token_ids
+    notices.clear()
     again = compiled.generate(ids_for(4, seed=4), max_new_tokens=30)
-    assert again.stats["buckets_compiled"] == []
+    assert again.stats["buckets_compiled"] == [] and not [n for n in notices if "decode" in n]
     assert counters["stats"]["unique_graphs"] - graphs == 4
 
 
