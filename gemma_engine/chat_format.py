@@ -18,7 +18,8 @@ ROLES = ("system", "user", "assistant")
 
 def chat_ids(tokenizer: Any, model_type: str, messages: list[dict[str, str]]) -> list[int]:
     """Ids of ``messages`` ([{"role", "content"}], system first if any, then user/assistant
-    alternating, starting and ending with user), followed by the opening of the model's turn."""
+    alternating from user), followed by the opening of the model's turn. A conversation that
+    ends with an assistant message gets a new model turn after it, as the templates do."""
     if not messages:
         raise InvalidRequestError("messages is empty: give at least one user message")
     for i, m in enumerate(messages):
@@ -40,8 +41,8 @@ def chat_ids(tokenizer: Any, model_type: str, messages: list[dict[str, str]]) ->
                 "after an optional leading system message, roles must alternate user, "
                 f"assistant, user, ...: message {i + (system is not None)} is {m['role']!r}"
             )
-    if not messages or messages[-1]["role"] != "user":
-        raise InvalidRequestError("the last message must be a user message")
+    if not messages:
+        raise InvalidRequestError("messages holds only a system message: add a user message")
 
     def text(s: str) -> list[int]:
         return tokenizer.encode(s, add_bos=False)

@@ -9,6 +9,7 @@ must equal the served name.
 
 import argparse
 import asyncio
+import contextlib
 import hmac
 import json
 import math
@@ -18,7 +19,8 @@ import uuid
 from typing import Any
 
 from .chat_format import chat_ids
-from .errors import GemmaEngineError, InvalidRequestError
+from .errors import InvalidRequestError
+from .sampling import MAX_TOP_LOGPROBS, TokenLogprob
 
 MAX_BODY = 1 << 20  # bytes; a larger request body gets 413
 
@@ -114,6 +116,60 @@ def sampling_args(body: dict, ctx: int) -> dict[str, Any]:
     )
 
 
+def logprobs_arg(body: dict, chat: bool) -> int | None:
+    """How many alternatives to report per token, or None for no logprobs. Chat takes
+    ``logprobs: true`` and ``top_logprobs: k``, completions ``logprobs: k`` (as OpenAI)."""
+    if not chat:
+        return _field(body, "logprobs", (int,), None, 0, MAX_TOP_LOGPROBS)
+    want = _field(body, "logprobs", (bool,), False)
+    top = _field(body, "top_logprobs", (int,), None, 0, MAX_TOP_LOGPROBS)
+    if top is not None and not want:
+        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if want else None
+
+
+# -- logprobs in OpenAI's shapes ------------------------------------------------------------
+def _logprob(value: float) -> float:
+    return max(value, -9999.0)  # as OpenAI: JSON has no -Infinity
+
+
+def _token(tokenizer: Any, token: int) -> tuple[str, bytes]:
+    raw = tokenizer.token_bytes(token)
+    return raw.decode("utf-8", errors="replace"), raw
+
+
+def chat_logprobs(tokenizer: Any, entries: list[TokenLogprob]) -> dict[str, Any]:
+    def one(token: int, logprob: float) -> dict[str, Any]:
+        text, raw = _token(tokenizer, token)
+        return {"token": text, "logprob": _logprob(logprob), "bytes": list(raw)}
+
+    return {
+        "content": [
+            {**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+            for e in entries
+        ]
+    }
+
+
+def completion_logprobs(
+    tokenizer: Any, entries: list[TokenLogprob], offset: int = 0
+) -> dict[str, Any]:
+    """The legacy completions shape; ``text_offset`` counts characters from ``offset``."""
+    tokens = [_token(tokenizer, e.token)[0] for e in entries]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [_logprob(e.logprob) for e in entries],
+        "top_logprobs": [
+            {_token(tokenizer, t)[0]: _logprob(lp) for t, lp in e.top} for e in entries
+        ],
+        "text_offset": offsets,
+    }
+
+
 # -- the app --------------------------------------------------------------------------------
 def create_app(
     load: Any,
@@ -127,12 +183,14 @@ def create_app(
     """The FastAPI app; ``load()`` builds the Engine on the engine thread at startup."""
     from contextlib import asynccontextmanager
 
-    import anyio
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+    from .server_metrics import CONTENT_TYPE, ServerMetrics
 
     state: dict[str, Any] = {"in_flight": 0, "closing": False}
     worker = EngineThread(load)
+    metrics = ServerMetrics()
 
     @asynccontextmanager
     async def lifespan(app):
@@ -147,6 +205,7 @@ def create_app(
 
     app = FastAPI(title="gemma-serve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.worker = worker
+    app.state.metrics = metrics
     if cors_origin:
         from fastapi.middleware.cors import CORSMiddleware
 
@@ -162,6 +221,11 @@ def create_app(
             err.status,
             headers=headers,
         )
+
+    @app.exception_handler(Exception)
+    async def _server_error(request, err: Exception):
+        # Client input never gets here (it is an APIError); this is the server's own fault.
+        return JSONResponse(error_body(500, f"internal error: {err}"), 500)
 
     @app.exception_handler(404)
     async def _not_found(request, err):
@@ -179,7 +243,10 @@ def create_app(
             if not hmac.compare_digest(given.encode(), want.encode()):
                 body = error_body(401, "missing or wrong API key (Authorization: Bearer KEY)")
                 return JSONResponse(body, 401)
-        return await call_next(request)
+        response = await call_next(request)
+        if request.url.path.startswith("/v1/"):
+            metrics.requests.labels(request.url.path, str(response.status_code)).inc()
+        return response
 
     def engine():
         if state["closing"]:
@@ -203,6 +270,10 @@ def create_app(
             msg = "loading" if worker.error is None else f"load failed: {worker.error}"
             return JSONResponse({"status": "closing" if state["closing"] else msg}, 503)
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(worker.engine), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models():
@@ -233,6 +304,7 @@ def create_app(
         if not isinstance(opts, dict):
             raise APIError(400, "stream_options must be an object", "stream_options")
         args = sampling_args(body, eng.max_seq_len)
+        args["logprobs"] = logprobs_arg(body, chat)
         try:
             if chat:
                 msgs = body.get("messages")
@@ -273,11 +345,24 @@ def create_app(
 
     async def complete(request: Request, chat: bool):
         body, handles, stream, usage_chunk, n_prompt = await read(request, chat)
+        tokenizer = worker.engine.tokenizer
         state["in_flight"] += len(handles)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
         head = {"id": rid, "created": created, "model": served_name}
+        # The engine's thread wakes this event loop when it queues text for these requests,
+        # so that waiting takes no thread (see Request.ready).
+        loop, update = asyncio.get_running_loop(), asyncio.Event()
+
+        def wake() -> None:
+            try:
+                loop.call_soon_threadsafe(update.set)
+            except RuntimeError:  # the loop has closed (shutdown): nobody is waiting
+                pass
+
+        for h in handles:
+            h.on_update = wake
 
         def usage(results):
             out = sum(len(r.token_ids) for r in results)
@@ -289,19 +374,46 @@ def create_app(
                 "prompt_tokens_details": {"cached_tokens": cached},
             }
 
+        def logprobs(entries, offset=0):
+            if entries is None:
+                return None
+            if chat:
+                return chat_logprobs(tokenizer, entries)
+            return completion_logprobs(tokenizer, entries, offset)
+
+        released = False
+
         def release():
+            nonlocal released
+            if released:
+                return
+            released = True
             state["in_flight"] -= len(handles)
             for h in handles:
                 h.cancel()  # no-op once done
+                h.on_update = None
+                metrics.ended(h)
 
         if not stream:
             try:
-                results = [await anyio.to_thread.run_sync(h.result) for h in handles]
+                while True:
+                    update.clear()
+                    if all(h.done for h in handles):
+                        break
+                    if await request.is_disconnected():
+                        return Response(status_code=499)  # nobody reads it; frees the slots
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        # the timeout is how often a hang-up is noticed
+                        await asyncio.wait_for(update.wait(), 0.05)
+                try:
+                    results = [h.result() for h in handles]
+                except Exception as err:  # the engine failed, not the request
+                    raise APIError(500, f"generation failed: {err}") from err
             finally:
                 release()
             choices = []
             for i, r in enumerate(results):
-                c = {"index": i, "finish_reason": r.finish_reason, "logprobs": None}
+                c = {"index": i, "finish_reason": r.finish_reason, "logprobs": logprobs(r.logprobs)}
                 if chat:
                     c["message"] = {"role": "assistant", "content": r.text}
                 else:
@@ -311,14 +423,15 @@ def create_app(
 
         chunk_kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(i, piece=None, finish=None, role=False):
+        def chunk(i, piece=None, finish=None, role=False, entries=None, offset=0):
+            lp = logprobs(entries, offset) if entries else None
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else {}
                 if piece is not None:
                     delta["content"] = piece
-                c = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": None}
+                c = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": lp}
             else:
-                c = {"index": i, "text": piece or "", "finish_reason": finish, "logprobs": None}
+                c = {"index": i, "text": piece or "", "finish_reason": finish, "logprobs": lp}
             return "data: " + json.dumps({**head, "object": chunk_kind, "choices": [c]}) + "\n\n"
 
         async def events():
@@ -326,10 +439,20 @@ def create_app(
                 for i, h in enumerate(handles):  # n > 1: choices one after the other
                     if chat:
                         yield chunk(i, role=True)
-                    pieces = iter(h)
-                    while (piece := await anyio.to_thread.run_sync(next, pieces, None)) is not None:
-                        yield chunk(i, piece)
-                    yield chunk(i, finish=h.result().finish_reason)
+                    sent, offset = 0, 0  # tokens whose logprobs went out; text so far
+                    while True:
+                        update.clear()
+                        pieces, ended = h.ready()
+                        for piece, n_tokens in pieces:
+                            entries = h.logprobs[sent:n_tokens] if h.logprobs is not None else None
+                            yield chunk(i, piece, entries=entries, offset=offset)
+                            sent, offset = n_tokens, offset + len(piece)
+                        if ended:
+                            break
+                        await update.wait()
+                    result = h.result()  # raises the engine's error, if it failed
+                    rest = result.logprobs[sent:] if result.logprobs is not None else None
+                    yield chunk(i, finish=result.finish_reason, entries=rest, offset=offset)
                 if usage_chunk:
                     u = usage([h.result() for h in handles])
                     yield (
@@ -337,8 +460,9 @@ def create_app(
                         + json.dumps({**head, "object": chunk_kind, "choices": [], "usage": u})
                         + "\n\n"
                     )
-            except GemmaEngineError as err:
-                yield "data: " + json.dumps(error_body(500, str(err))) + "\n\n"
+            except Exception as err:  # the stream has begun: the error goes in an event
+                message = f"generation failed: {err}"
+                yield "data: " + json.dumps(error_body(500, message)) + "\n\n"
             finally:
                 release()  # a client that hung up cancels its requests here
             yield "data: [DONE]\n\n"
