@@ -9,7 +9,6 @@ must equal the served name.
 
 import argparse
 import asyncio
-import contextlib
 import hmac
 import json
 import math
@@ -395,21 +394,24 @@ def create_app(
                 metrics.ended(h)
 
         if not stream:
+            # The body has been read, so the next message is the client hanging up.
+            gone = asyncio.ensure_future(request.receive())
             try:
                 while True:
                     update.clear()
                     if all(h.done for h in handles):
                         break
-                    if await request.is_disconnected():
+                    if gone.done():
                         return Response(status_code=499)  # nobody reads it; frees the slots
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        # the timeout is how often a hang-up is noticed
-                        await asyncio.wait_for(update.wait(), 0.05)
+                    woken = asyncio.ensure_future(update.wait())
+                    await asyncio.wait({gone, woken}, return_when=asyncio.FIRST_COMPLETED)
+                    woken.cancel()
                 try:
                     results = [h.result() for h in handles]
                 except Exception as err:  # the engine failed, not the request
                     raise APIError(500, f"generation failed: {err}") from err
             finally:
+                gone.cancel()
                 release()
             choices = []
             for i, r in enumerate(results):
