@@ -279,7 +279,7 @@ def test_property_no_500(served):
 
     with httpx.Client(base_url=served[0], headers=AUTH, timeout=30) as http:
         # 3,000 bodies over HTTP: most fail validation at once; a valid one runs its prompt and
-        # at most one token (max_tokens is capped at 1), so this costs about 22 s on this 2-core machine.
+        # at most one token (max_tokens is capped at 1): about 22 s on this 2-core machine.
         @settings(max_examples=3000, deadline=None, suppress_health_check=list(HealthCheck))
         @given(body=bodies, chat=st.booleans())
         def check(body, chat):
@@ -309,8 +309,17 @@ def test_32_streams_hang_up_then_every_slot_is_free(tiny_checkpoints, monkeypatc
     folder = tiny_checkpoints["gemma3"][0]
     with running_server(folder, max_queue=30) as (base, engine):  # room for 32
         reference = Engine.from_pretrained(folder, compile=False)
-        monkeypatch.setattr(engine, "step", slowed(engine, 0.01))
+        # Decode waits for the gate: until the queue-full check is done, no request can end
+        # (each has only its first token, from the prompt), so 32 stay in flight.
+        gate, slow = threading.Event(), slowed(engine, 0.01)
+
+        def gated(*args, **kwargs):
+            gate.wait(60)
+            return slow(*args, **kwargs)
+
+        monkeypatch.setattr(engine, "step", gated)
         body = {"model": NAME, "prompt": "The quick", "max_tokens": 200, "stream": True}
+        body["temperature"] = 0  # greedy: "The quick" goes on past its first token
         all_in = threading.Barrier(33, timeout=60)
         statuses = []
 
@@ -326,6 +335,7 @@ def test_32_streams_hang_up_then_every_slot_is_free(tiny_checkpoints, monkeypatc
         all_in.wait()  # 32 in flight: 2 in slots, 30 queued
         full = httpx.post(base + "/v1/completions", json=GOOD, headers=AUTH)
         assert full.status_code == 503 and "Retry-After" in full.headers, full.text
+        gate.set()
         for t in threads:
             t.join(timeout=60)
         assert statuses == [200] * 32
