@@ -8,7 +8,7 @@ PROMPT ?= The capital of France is
 ARGS ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: setup weights run test lint format bench bench-buckets llama-cpp llama-batched-bench clean
+.PHONY: setup weights run test lint format bench bench-buckets llama-cpp llama-batched-bench llama-server clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -70,6 +70,19 @@ llama-batched-bench: $(STAMP)
 	cp .llama/src/build/bin/llama-batched-bench .llama/bin/llama-batched-bench.partial
 	mv .llama/bin/llama-batched-bench.partial .llama/bin/llama-batched-bench
 	rm -rf .llama/src
+
+# llama.cpp's OpenAI-compatible server, the same way: .llama/bin/llama-server, for
+# scripts/bench_serve.py (more sources than llama-batched-bench: the server and its web UI).
+llama-server: $(STAMP)
+	rm -rf .llama/src-server && mkdir -p .llama/src-server .llama/bin
+	$(BIN)/pip download -q --no-deps --no-binary :all: -d .llama/src-server "$(LLAMA_CPP)"
+	tar xzf .llama/src-server/llama_cpp_python-*.tar.gz -C .llama/src-server
+	cmake -S .llama/src-server/llama_cpp_python-*/vendor/llama.cpp -B .llama/src-server/build -G Ninja \
+		-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF $(LLAMA_CMAKE)
+	cmake --build .llama/src-server/build --target llama-server -j 2
+	cp .llama/src-server/build/bin/llama-server .llama/bin/llama-server.partial
+	mv .llama/bin/llama-server.partial .llama/bin/llama-server
+	rm -rf .llama/src-server
 
 clean:
 	rm -rf $(VENV) weights/gemma-3-270m

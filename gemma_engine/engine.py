@@ -25,13 +25,21 @@ import torch
 from torch import Tensor
 
 from . import cpu, quant
+from .chat_format import chat_ids
 from .config import GemmaConfig
 from .errors import InvalidRequestError
-from .inputs import check_device, check_dtype, check_generation_args, check_token_ids, parse_dtype
+from .inputs import (
+    check_device,
+    check_dtype,
+    check_generation_args,
+    check_token_ids,
+    parse_dtype,
+    whole_number,
+)
 from .loading import default_buckets, load  # noqa: F401 (re-exported)
 from .model import GemmaForCausalLM
 from .request import Generation, Request
-from .sampling import SamplingParams
+from .sampling import MAX_TOP_LOGPROBS, SamplingParams
 from .scheduler import Scheduler
 from .slots import batch_buckets
 from .tokenizer import IncrementalDecoder, Tokenizer
@@ -259,22 +267,34 @@ class Engine:
         top_p: float | None = None,
         seed: int | None = None,
         stop: str | list[str] | None = None,
+        logprobs: int | None = None,
     ) -> Request:
         """Queue a generation and return its handle at once; safe from any thread.
 
         Iterate the handle for text pieces, ``cancel()`` it, or ``result()`` for the
         Generation. Waiting on it runs the engine (see scheduler.py). Invalid
-        arguments raise InvalidRequestError here, before anything is queued.
+        arguments raise InvalidRequestError here, before anything is queued. ``logprobs=k``
+        (0 to 20) records each new token's log-probability and the k likeliest tokens at its
+        position (``Generation.logprobs``; the model's distribution, see sampling.py).
         """
         params = SamplingParams(temperature, top_k, top_p, seed)
         max_new_tokens, stops = check_generation_args(max_new_tokens, stop)
+        if logprobs is not None:
+            logprobs = whole_number(logprobs, "logprobs", 0, MAX_TOP_LOGPROBS)
         ids = self._prompt_ids(prompt)
         # The last sampled token is fed only if another one follows, so a full cache can still
         # yield one more token than it has positions left.
         limit = self.max_seq_len - len(ids) + 1
         decoder = IncrementalDecoder(self.tokenizer, ids)
         request = Request(
-            ids, params, max_new_tokens, stops, decoder, limit=limit, device=self.device
+            ids,
+            params,
+            max_new_tokens,
+            stops,
+            decoder,
+            limit=limit,
+            device=self.device,
+            top_logprobs=logprobs,
         )
         self.last_stats = request.stats
         self.scheduler.submit(request)
@@ -290,6 +310,7 @@ class Engine:
         top_p: float | None = None,
         seed: int | None = None,
         stop: str | list[str] | None = None,
+        logprobs: int | None = None,
     ) -> Generation | list[Generation]:
         """Generate a continuation of ``prompt``; a list of strings runs as one batch (prompts
         beyond ``max_batch`` wait for a free slot) and gives a list of results."""
@@ -300,6 +321,7 @@ class Engine:
             top_p=top_p,
             seed=seed,
             stop=stop,
+            logprobs=logprobs,
         )
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
             requests = [self.submit(p, **kwargs) for p in prompt]
@@ -337,30 +359,10 @@ class Engine:
         the start of the first user turn, as their templates do. The turn markers are inserted
         by id, never parsed out of the text, so user text cannot open or close a turn.
         """
-        tok = self.tokenizer
-
-        def text(s: str) -> list[int]:
-            return tok.encode(s, add_bos=False)
-
-        system_turn: list[int] = []
-        if self.config.model_type == "gemma4_text":
-            start, end = tok.special_id("<|turn>"), tok.special_id("<turn|>")
-            if system is not None:
-                system_turn = [start, *text(f"system\n{system}"), end, *text("\n")]
-        else:
-            start, end = tok.special_id("<start_of_turn>"), tok.special_id("<end_of_turn>")
-            if system is not None:
-                message = f"{system}\n\n{message}"
-        return [
-            tok.bos_id,
-            *system_turn,
-            start,
-            *text(f"user\n{message}"),
-            end,
-            *text("\n"),
-            start,
-            *text("model\n"),
-        ]
+        messages = [{"role": "user", "content": message}]
+        if system is not None:
+            messages.insert(0, {"role": "system", "content": system})
+        return chat_ids(self.tokenizer, self.config.model_type, messages)
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -11,14 +11,14 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from .sampling import SamplingParams
+from .sampling import SamplingParams, TokenLogprob
 from .tokenizer import IncrementalDecoder
 
 
@@ -28,6 +28,7 @@ class Generation:
     token_ids: list[int]  # new tokens only, an EOS token included when one ended the text
     finish_reason: str  # "stop" (EOS or a stop string), "length", or "cancelled"
     stats: dict[str, Any] = field(default_factory=dict)
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when asked
 
 
 class Request:
@@ -44,11 +45,20 @@ class Request:
         limit: int,
         device: torch.device,
         score: bool = False,
+        top_logprobs: int | None = None,
     ) -> None:
         self.ids = ids
         self.params = params
         self.stops = stops
         self.score = score  # all positions' logits, no generation
+        # None: no logprobs; k: each new token's logprob and its k likeliest alternatives
+        self.top_logprobs = top_logprobs
+        self.logprobs: list[TokenLogprob] | None = None if top_logprobs is None else []
+        self.submitted = time.perf_counter()
+        self.token_times: list[float] = []  # perf_counter when each new token was sampled
+        # Called on the engine's thread after each piece (and at the end) is queued, so that
+        # a caller on an event loop can wait without a thread (the server).
+        self.on_update: Callable[[], None] | None = None
         self.limit = min(max_new_tokens, limit)  # tokens it may produce (the cache ends)
         self.stats: dict[str, Any] = {
             "prompt_tokens": len(ids),
@@ -73,7 +83,9 @@ class Request:
         self._pending = ""  # text held back while it may still become a stop string
         self._text: list[str] = []
         # Handle state.
-        self._pieces: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        # (text piece, how many new tokens it completes), None at the end
+        self._pieces: queue.SimpleQueue[tuple[str, int] | None] = queue.SimpleQueue()
+        self._drained = False  # ready() has seen the end
         self._done = threading.Event()
         self._cancel = threading.Event()
         self._result: Generation | Tensor | None = None
@@ -84,15 +96,32 @@ class Request:
         """Text pieces as they are decoded; ends when the request does (re-raises its error)."""
         while True:
             try:
-                piece = self._pieces.get_nowait()
+                item = self._pieces.get_nowait()
             except queue.Empty:
                 self.advance()
                 continue
-            if piece is None:
+            if item is None:
                 break
-            yield piece
+            yield item[0]
         if self._error is not None:
             raise self._error
+
+    def ready(self) -> tuple[list[tuple[str, int]], bool]:
+        """Without waiting: the pieces decoded since the last call, each with the number of new
+        tokens decoded up to it, and whether the request has ended (then ``result()`` does not
+        block). For a caller that does not drive the engine (a server running ``run_forever``)
+        and waits for ``on_update`` instead."""
+        out = []
+        while not self._drained:
+            try:
+                item = self._pieces.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                self._drained = True
+            else:
+                out.append(item)
+        return out, self._drained
 
     def cancel(self) -> None:
         """Stop generating: the scheduler frees the slot at its next step (a queued request is
@@ -128,6 +157,7 @@ class Request:
         """Take a sampled token; emit the text it completes. True if the request is done."""
         self.new_ids.append(token)
         self.token = token
+        self.token_times.append(time.perf_counter())
         if token in eos:
             return self._finish("stop", hit=False)
         self._pending += self._decoder.push(token)
@@ -142,7 +172,12 @@ class Request:
     def _emit(self, piece: str) -> None:
         if piece:
             self._text.append(piece)
-            self._pieces.put(piece)
+            self._pieces.put((piece, len(self.new_ids)))
+            self._notify()
+
+    def _notify(self) -> None:
+        if self.on_update is not None:
+            self.on_update()
 
     def _finish(self, reason: str, hit: bool) -> bool:
         if not hit:
@@ -157,14 +192,17 @@ class Request:
             self._result = torch.cat(self.logits)
         else:
             reason = reason or self.finish_reason
-            self._result = Generation("".join(self._text), self.new_ids, reason, self.stats)
+            text = "".join(self._text)
+            self._result = Generation(text, self.new_ids, reason, self.stats, self.logprobs)
         self._done.set()
         self._pieces.put(None)
+        self._notify()
 
     def fail(self, error: BaseException) -> None:
         self._error = error
         self._done.set()
         self._pieces.put(None)
+        self._notify()
 
 
 def split_at_stop(text: str, stops: list[str]) -> tuple[str, str, bool]:

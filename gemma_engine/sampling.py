@@ -72,3 +72,31 @@ def sample_rows(
         if not row_params.greedy:
             tokens[i] = sample(logits[i : i + 1], row_params, generator)[0]
     return tokens
+
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely tokens at this position, best first
+
+
+def token_logprobs(logits: Tensor, tokens: Tensor, tops: list[int]) -> list[TokenLogprob]:
+    """Each row's chosen token (B,) with its log-probability under logits (B, vocab), and the
+    ``tops[i]`` most likely tokens of row i. The distribution is the model's own (log-softmax
+    of the logits, before temperature, top-k and top-p), as vLLM reports by default, so it is
+    the same whatever the sampling settings (and equals a scoring pass, ``Engine.score``)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (B, vocab)
+    chosen = logprobs.gather(-1, tokens.view(-1, 1))[:, 0].tolist()
+    k = max(tops, default=0)
+    values, ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0])
+    values, ids = values.tolist(), ids.tolist()
+    return [
+        TokenLogprob(
+            int(t), chosen[i], list(zip(ids[i][: tops[i]], values[i][: tops[i]], strict=True))
+        )
+        for i, t in enumerate(tokens.tolist())
+    ]

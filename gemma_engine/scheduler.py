@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .request import Request
-from .sampling import sample_rows
+from .sampling import sample_rows, token_logprobs
 from .slots import SlotTable, batch_buckets
 
 if TYPE_CHECKING:
@@ -72,6 +72,12 @@ class Scheduler:
             if not slot.busy:
                 self.slots.reset(slot)
         self._forget = False
+
+    def load(self) -> tuple[int, int]:
+        """(requests waiting for a slot, slots held by a request), from any thread."""
+        with self._lock:
+            waiting = len(self._waiting)
+        return waiting, sum(s.busy for s in self.slots.slots)
 
     def busy(self) -> bool:
         with self._lock:
@@ -161,7 +167,9 @@ class Scheduler:
         if request.score:
             self._finish(request)
             return
-        token = sample_rows(engine.head(hidden)[:, -1], [request.params], [request.generator])
+        logits = engine.head(hidden)[:, -1]  # (1, vocab)
+        token = sample_rows(logits, [request.params], [request.generator])
+        self._record_logprobs([request], logits, token)
         first = int(token.item())
         request.stats["prefill_seconds"] = time.perf_counter() - request.started
         if request.accept(first, engine.eos_token_ids):
@@ -189,6 +197,7 @@ class Scheduler:
         start = time.perf_counter()
         logits = engine.step(tokens, input_pos, kv_len, rows)[:n, -1]  # (n, vocab)
         sampled = sample_rows(logits, [r.params for r in live], [r.generator for r in live])
+        self._record_logprobs(live, logits, sampled)
         values = sampled.tolist()
         seconds = time.perf_counter() - start
         for request, value in zip(live, values, strict=True):
@@ -201,6 +210,18 @@ class Scheduler:
                 stats["decode_tokens"] += 1
             if request.accept(value, engine.eos_token_ids):
                 self._finish(request)
+
+    @staticmethod
+    def _record_logprobs(requests: list[Request], logits: torch.Tensor, tokens: torch.Tensor):
+        """The sampled tokens' logprobs, for the requests that asked (before ``accept``, so
+        that a piece of text is never ahead of its tokens' logprobs)."""
+        rows = [i for i, r in enumerate(requests) if r.logprobs is not None]
+        if not rows:
+            return
+        index = torch.tensor(rows, device=logits.device)
+        tops = [requests[i].top_logprobs for i in rows]
+        for i, entry in zip(rows, token_logprobs(logits[index], tokens[index], tops), strict=True):
+            requests[i].logprobs.append(entry)
 
     def _finish(self, request: Request, reason: str | None = None) -> None:
         """Free the request's slot (idle: it keeps its tokens) and hand over the result."""

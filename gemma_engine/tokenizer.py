@@ -47,6 +47,9 @@ class _SentencePiece:
         i = self.sp.piece_to_id(piece)
         return i if self.sp.id_to_piece(i) == piece else None
 
+    def piece(self, token: int) -> str:
+        return self.sp.id_to_piece(token)
+
     def files(self) -> dict[str, bytes]:
         return {"tokenizer.model": self.sp.serialized_model_proto()}
 
@@ -83,6 +86,9 @@ class _TokenizerJson:
 
     def piece_id(self, piece: str) -> int | None:
         return self.tok.token_to_id(piece)
+
+    def piece(self, token: int) -> str:
+        return self.tok.id_to_token(token) or ""
 
     def files(self) -> dict[str, bytes]:
         out = {"tokenizer.json": self.path.read_bytes()}
@@ -136,6 +142,19 @@ class Tokenizer:
         # Models may pad their vocabulary past the tokenizer's (Gemma 3 4b+: 262,208 vs
         # 262,144); such ids have no text.
         return self._impl.decode([i for i in ids if 0 <= i < self.vocab_size])
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for alone (logprobs report tokens one by one): a
+        byte-fallback piece ``<0xAB>`` is that byte, U+2581 a space, a control piece its name."""
+        if not 0 <= token < self.vocab_size:
+            return b""
+        piece = self._impl.piece(token)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return piece.replace("\u2581", " ").encode()
 
     def has_piece(self, piece: str) -> bool:
         return self._impl.piece_id(piece) is not None

