@@ -23,7 +23,11 @@ position ctx - 1 through the graph of the kv bucket against the graph reading th
 ``--batched-linear gemm`` makes the engine's batched CPU decode use F.linear instead of the
 fused multiply-reduce (model.BATCHED_FUSED), to compare the two end to end.
 
+``--plot PNG`` draws aggregate and per-request decode rates against B for every contestant;
+``--markdown`` prints the tables that BENCHMARKS.md holds.
+
     .venv/bin/python scripts/bench_batch.py [--weights fp32,int8] [--batches 1,2,4,8]
+        [--json out.json] [--plot docs/bench_batch_cpu.png] [--markdown]
     .venv/bin/python scripts/bench_batch.py --smoke   # seconds: does it run
 """
 
@@ -235,6 +239,76 @@ def chat_ttft(args) -> dict:
     return out
 
 
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    engines = dict.fromkeys(r["engine"] for r in results["rows"])
+    for name in engines:
+        rows = sorted((r for r in results["rows"] if r["engine"] == name), key=lambda r: r["batch"])
+        batches = [r["batch"] for r in rows]
+        axes[0].plot(batches, [r["decode_aggregate_tok_s"] for r in rows], "o-", label=name)
+        axes[1].plot(batches, [r["per_request_tok_s"] for r in rows], "o-", label=name)
+    for ax, title in zip(axes, ("aggregate decode tok/s", "per-request decode tok/s"), strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(results["batches"], [str(b) for b in results["batches"]])
+        ax.set_xlabel("concurrent sequences (B)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    m = results["machine"]
+    fig.suptitle(
+        f"Gemma 3 270M, batched decode; {m.get('cpu', 'CPU')}, capability "
+        f"{m.get('capability')}, {m.get('torch_threads')} threads, {m.get('date_utc')}"
+    )
+    fig.tight_layout()
+    bu.save_figure(fig, path)
+
+
+def markdown(results: dict) -> str:
+    batches = results["batches"]
+    by = {(r["engine"], r["batch"]): r for r in results["rows"]}
+    engines = list(dict.fromkeys(r["engine"] for r in results["rows"]))
+    out = []
+    for key, title in (
+        ("decode_aggregate_tok_s", "aggregate decode tok/s"),
+        ("per_request_tok_s", "per-request decode tok/s"),
+    ):
+        rows = []
+        for name in engines:
+            cells = [f"{by[name, b][key]:.1f}" if (name, b) in by else "" for b in batches]
+            base = by.get((name, batches[0]))
+            top = by.get((name, batches[-1]))
+            scale = f"{top[key] / base[key]:.2f}x" if base and top and base[key] else ""
+            rows.append([name, *cells, scale])
+        head = [title, *(f"B={b}" for b in batches), f"B={batches[-1]} / B={batches[0]}"]
+        out.append(bu.md_table(head, rows, "l" + "r" * (len(batches) + 1)))
+    if results.get("bucket_b8"):
+        rows = [
+            [
+                str(r["context"]),
+                f"{r['bucketed_ms']:.1f}",
+                f"{r['full_ms']:.1f}",
+                f"{r['speedup']:.2f}x",
+            ]
+            for r in results["bucket_b8"]
+        ]
+        head = ["context (B=8)", "bucketed step ms", "full-buffer step ms", "speedup"]
+        out.append(bu.md_table(head, rows, "lrrr"))
+    if results.get("chat"):
+        c = results["chat"]
+        rows = [
+            [mode, f"{c[mode]['ttft_s'] * 1e3:.0f}", str(c[mode]["cached_tokens"])]
+            for mode in ("reuse", "fresh")
+        ]
+        head = [f"6th turn ({c['prompt_tokens']} prompt tokens)", "TTFT ms", "cached tokens"]
+        out.append(bu.md_table(head, rows, "lrr"))
+    return "\n\n".join(out)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="default: Gemma 3 270M")
@@ -256,6 +330,8 @@ def main() -> None:
     p.add_argument("--no-chat", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny settings, eager: does it run")
     p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--plot", type=Path, help="write a PNG of the rates against B here")
+    p.add_argument("--markdown", action="store_true", help="print the tables as markdown")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -274,6 +350,7 @@ def main() -> None:
         "args": {k: str(v) for k, v in vars(args).items()},
         "machine": info,
         "bandwidth": bandwidth,
+        "batches": args.batches,
         "rows": [],
     }
     for weights in args.weights.split(","):
@@ -287,9 +364,11 @@ def main() -> None:
     if not args.no_chat:
         results["chat"] = chat_ttft(args)
     if args.json:
-        tmp = args.json.with_suffix(".partial")
-        tmp.write_text(json.dumps(results, indent=2) + "\n")
-        tmp.rename(args.json)
+        bu.atomic_write_json(args.json, results)
+    if args.plot:
+        plot(results, args.plot)
+    if args.markdown:
+        print(markdown(results))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,11 @@
 """Profile one compiled decode step of the default model: where a token's time goes.
 
 .venv/bin/python scripts/profile_decode.py [--context 512] [--steps 10] [--quantize int8]
-    [--capability avx2] [--kernels] [--no-compile]
+    [--batch 8] [--capability avx2] [--kernels] [--no-compile]
+
+``--batch B`` profiles one batched step of B rows (issue #11's profile); ``--kernels`` times
+each inductor kernel, named after the ops it fuses (the output layer's is the one that reads
+the 262,144-row matrix).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512, help="position of the decode step")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rows", type=int, default=8, help="rows of the profile table")
+    parser.add_argument("--batch", type=int, default=1, help="rows decoded in the step")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--quantize", default=None, help="none, int8 or int4")
     parser.add_argument("--capability", choices=["native", "avx2"], default="native")
@@ -42,10 +47,11 @@ def main() -> None:
         args.model,
         compile=not args.no_compile,
         max_seq_len=max(1024, args.context),
-        max_batch=1,
+        max_batch=args.batch,
         quantize=args.quantize,
     )
-    tokens, pos = torch.tensor([[100]]), torch.tensor([args.context - 1])
+    tokens = torch.full((args.batch, 1), 100)
+    pos = torch.full((args.batch,), args.context - 1)
     kv_len = engine.bucket_for(args.context)
     for _ in range(3):  # compile and warm up
         engine.step(tokens, pos, kv_len)
@@ -55,7 +61,7 @@ def main() -> None:
         engine.step(tokens, pos, kv_len)
         times.append(time.perf_counter() - start)
     print(
-        f"decode step at context {args.context} (bucket {kv_len}): median "
+        f"decode step of {args.batch} row(s) at context {args.context} (bucket {kv_len}): median "
         f"{statistics.median(times) * 1e3:.1f} ms over {args.steps} steps"
     )
     with profile(activities=[ProfilerActivity.CPU]) as prof:
