@@ -8,7 +8,7 @@ PROMPT ?= The capital of France is
 ARGS ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: setup weights run test lint format bench bench-buckets llama-cpp llama-batched-bench llama-server clean
+.PHONY: setup weights run test lint format bench bench-buckets llama-cpp llama-tools llama-batched-bench llama-server clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -56,33 +56,24 @@ llama-cpp: $(STAMP)
 	CMAKE_ARGS="$(LLAMA_AVX2)" $(BIN)/pip install -q --no-cache-dir --no-deps --no-binary llama-cpp-python \
 		--target .llama/avx2 "$(LLAMA_CPP)"
 
-# llama.cpp's parallel decoding benchmark, from the vendored source of the same sdist (a few
-# minutes on 2 cores; one target of a static build): .llama/bin/llama-batched-bench, for
-# scripts/bench_batch.py. LLAMA_CMAKE="$(LLAMA_AVX2)" builds it for AVX2 only.
+# llama.cpp's tools from the vendored source of the same sdist, in one build (10-20 minutes on 2
+# cores): .llama/bin/llama-batched-bench (parallel decoding, for scripts/bench_batch.py) and
+# .llama/bin/llama-server (its OpenAI-compatible server, for scripts/bench_serve.py).
+# LLAMA_CMAKE="$(LLAMA_AVX2)" builds them for AVX2 only.
 LLAMA_CMAKE ?= -DGGML_NATIVE=ON
-llama-batched-bench: $(STAMP)
+LLAMA_TOOLS := llama-batched-bench llama-server
+llama-tools: $(STAMP)
 	rm -rf .llama/src && mkdir -p .llama/src .llama/bin
 	$(BIN)/pip download -q --no-deps --no-binary :all: -d .llama/src "$(LLAMA_CPP)"
 	tar xzf .llama/src/llama_cpp_python-*.tar.gz -C .llama/src
 	cmake -S .llama/src/llama_cpp_python-*/vendor/llama.cpp -B .llama/src/build -G Ninja \
 		-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF $(LLAMA_CMAKE)
-	cmake --build .llama/src/build --target llama-batched-bench -j 2
-	cp .llama/src/build/bin/llama-batched-bench .llama/bin/llama-batched-bench.partial
-	mv .llama/bin/llama-batched-bench.partial .llama/bin/llama-batched-bench
+	cmake --build .llama/src/build --target $(LLAMA_TOOLS) -j 2
+	for t in $(LLAMA_TOOLS); do \
+		cp .llama/src/build/bin/$$t .llama/bin/$$t.partial && mv .llama/bin/$$t.partial .llama/bin/$$t; \
+	done
 	rm -rf .llama/src
-
-# llama.cpp's OpenAI-compatible server, the same way: .llama/bin/llama-server, for
-# scripts/bench_serve.py (more sources than llama-batched-bench: the server and its web UI).
-llama-server: $(STAMP)
-	rm -rf .llama/src-server && mkdir -p .llama/src-server .llama/bin
-	$(BIN)/pip download -q --no-deps --no-binary :all: -d .llama/src-server "$(LLAMA_CPP)"
-	tar xzf .llama/src-server/llama_cpp_python-*.tar.gz -C .llama/src-server
-	cmake -S .llama/src-server/llama_cpp_python-*/vendor/llama.cpp -B .llama/src-server/build -G Ninja \
-		-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF $(LLAMA_CMAKE)
-	cmake --build .llama/src-server/build --target llama-server -j 2
-	cp .llama/src-server/build/bin/llama-server .llama/bin/llama-server.partial
-	mv .llama/bin/llama-server.partial .llama/bin/llama-server
-	rm -rf .llama/src-server
+llama-batched-bench llama-server: llama-tools
 
 clean:
 	rm -rf $(VENV) weights/gemma-3-270m
