@@ -4,39 +4,39 @@ One process, one engine thread: it loads the model and then drives the scheduler
 (``run_forever``), so the model runs on the thread that loaded it (scheduler.py says why).
 Handlers only validate, ``submit`` and consume text pieces in worker threads, so the event
 loop never blocks on the model. Nothing in a request names a file or model to load: ``model``
-must equal the served name.
+must equal the served name. The protocol itself (body and field rules, error and response
+shapes) is openai_protocol.py; this file holds the app, its routes, the engine thread and main.
 """
 
 import argparse
 import asyncio
 import hmac
-import json
-import math
 import threading
 import time
 import uuid
 from typing import Any
 
-from .chat_format import chat_ids
 from .errors import InvalidRequestError
-from .sampling import MAX_TOP_LOGPROBS, TokenLogprob
-
-MAX_BODY = 1 << 20  # bytes; a larger request body gets 413
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str = ""):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.code = code or {400: "invalid_request_error", 401: "invalid_api_key"}.get(status, "")
-        self.headers: dict[str, str] = {}
-
-
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None):
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    if status == 401:
-        kind = "authentication_error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+from .openai_protocol import (
+    DONE,
+    APIError,
+    busy,
+    check_fits,
+    check_model,
+    choice,
+    chunk_choice,
+    error_body,
+    field,
+    logprobs_arg,
+    logprobs_body,
+    parse_body,
+    prompt_ids,
+    prompt_param,
+    sampling_args,
+    sse,
+    stream_options,
+    usage,
+)
 
 
 class EngineThread(threading.Thread):
@@ -56,117 +56,6 @@ class EngineThread(threading.Thread):
             return
         self.ready.set()
         self.engine.scheduler.run_forever(self.stop)
-
-
-# -- request parsing ------------------------------------------------------------------------
-def _reject_constant(name: str) -> None:
-    raise APIError(400, f"{name} is not valid JSON: send finite numbers only")
-
-
-def parse_body(raw: bytes) -> dict[str, Any]:
-    if len(raw) > MAX_BODY:
-        raise APIError(413, f"request body is {len(raw)} bytes; the limit is {MAX_BODY}")
-    try:
-        body = json.loads(raw, parse_constant=_reject_constant)
-    except APIError:
-        raise
-    except (ValueError, RecursionError) as err:
-        raise APIError(400, f"request body is not valid JSON: {err}") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "request body must be a JSON object")
-    try:
-        json.dumps(body, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        raise APIError(400, "request body holds a lone surrogate (\\ud800-\\udfff)") from None
-    return body
-
-
-def _field(body: dict, name: str, types: tuple, default: Any = None, lo=None, hi=None) -> Any:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) and bool not in types or not isinstance(value, types):
-        names = "/".join(t.__name__ for t in types)
-        raise APIError(400, f"{name} must be a {names}, got {type(value).__name__}", name)
-    if isinstance(value, float) and not math.isfinite(value):
-        raise APIError(400, f"{name} must be finite", name)
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise APIError(400, f"{name} must be in [{lo}, {hi}], got {value}", name)
-    return value
-
-
-def sampling_args(body: dict, ctx: int) -> dict[str, Any]:
-    max_tokens = _field(body, "max_completion_tokens", (int,), None, 1, ctx)
-    max_tokens = _field(body, "max_tokens", (int,), max_tokens or 16, 1, ctx)
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None and (
-        not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) for s in stop)
-    ):
-        raise APIError(400, "stop must be a string or a list of at most 4 strings", "stop")
-    return dict(
-        max_new_tokens=max_tokens,
-        temperature=_field(body, "temperature", (int, float), 1.0, 0, 2),
-        top_p=_field(body, "top_p", (int, float), None, 0, 1),
-        top_k=_field(body, "top_k", (int,), None, 1, None),
-        seed=_field(body, "seed", (int,), None, 0, 2**63 - 1),
-        stop=stop or None,
-    )
-
-
-def logprobs_arg(body: dict, chat: bool) -> int | None:
-    """How many alternatives to report per token, or None for no logprobs. Chat takes
-    ``logprobs: true`` and ``top_logprobs: k``, completions ``logprobs: k`` (as OpenAI)."""
-    if not chat:
-        return _field(body, "logprobs", (int,), None, 0, MAX_TOP_LOGPROBS)
-    want = _field(body, "logprobs", (bool,), False)
-    top = _field(body, "top_logprobs", (int,), None, 0, MAX_TOP_LOGPROBS)
-    if top is not None and not want:
-        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-    return (top or 0) if want else None
-
-
-# -- logprobs in OpenAI's shapes ------------------------------------------------------------
-def _logprob(value: float) -> float:
-    return max(value, -9999.0)  # as OpenAI: JSON has no -Infinity
-
-
-def _token(tokenizer: Any, token: int) -> tuple[str, bytes]:
-    raw = tokenizer.token_bytes(token)
-    return raw.decode("utf-8", errors="replace"), raw
-
-
-def chat_logprobs(tokenizer: Any, entries: list[TokenLogprob]) -> dict[str, Any]:
-    def one(token: int, logprob: float) -> dict[str, Any]:
-        text, raw = _token(tokenizer, token)
-        return {"token": text, "logprob": _logprob(logprob), "bytes": list(raw)}
-
-    return {
-        "content": [
-            {**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
-            for e in entries
-        ]
-    }
-
-
-def completion_logprobs(
-    tokenizer: Any, entries: list[TokenLogprob], offset: int = 0
-) -> dict[str, Any]:
-    """The legacy completions shape; ``text_offset`` counts characters from ``offset``."""
-    tokens = [_token(tokenizer, e.token)[0] for e in entries]
-    offsets = []
-    for text in tokens:
-        offsets.append(offset)
-        offset += len(text)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [_logprob(e.logprob) for e in entries],
-        "top_logprobs": [
-            {_token(tokenizer, t)[0]: _logprob(lp) for t, lp in e.top} for e in entries
-        ],
-        "text_offset": offsets,
-    }
 
 
 # -- the app --------------------------------------------------------------------------------
@@ -249,18 +138,11 @@ def create_app(
 
     def engine():
         if state["closing"]:
-            err = APIError(503, "the server is shutting down")
-            err.headers["Retry-After"] = "5"
-            raise err
+            raise busy("the server is shutting down", 5)
         if not worker.ready.is_set() or worker.engine is None:
-            err = APIError(
-                503,
-                "the model is still loading"
-                if worker.error is None
-                else f"the model failed to load: {worker.error}",
-            )
-            err.headers["Retry-After"] = "5"
-            raise err
+            if worker.error is None:
+                raise busy("the model is still loading", 5)
+            raise busy(f"the model failed to load: {worker.error}", 5)
         return worker.engine
 
     @app.get("/health")
@@ -287,50 +169,15 @@ def create_app(
         raw = await request.body()
         body = parse_body(raw)
         eng = engine()
-        model = body.get("model")
-        if not isinstance(model, str):
-            raise APIError(400, "model is required (a string)", "model")
-        if model != served_name:
-            raise APIError(
-                404,
-                f"model {model!r} is not served here; use {served_name!r}",
-                "model",
-                "model_not_found",
-            )
-        n = _field(body, "n", (int,), 1, 1, eng.max_batch * 4)
-        stream = _field(body, "stream", (bool,), False)
-        opts = body.get("stream_options") or {}
-        if not isinstance(opts, dict):
-            raise APIError(400, "stream_options must be an object", "stream_options")
+        check_model(body, served_name)
+        n = field(body, "n", (int,), 1, 1, eng.max_batch * 4)
+        stream, include_usage = stream_options(body)
         args = sampling_args(body, eng.max_seq_len)
         args["logprobs"] = logprobs_arg(body, chat)
-        try:
-            if chat:
-                msgs = body.get("messages")
-                if not isinstance(msgs, list):
-                    raise APIError(400, "messages must be a list of messages", "messages")
-                prompt = chat_ids(eng.tokenizer, eng.config.model_type, msgs)
-            else:
-                prompt = body.get("prompt")
-                if isinstance(prompt, str):
-                    prompt = eng.tokenizer.encode(prompt)
-                elif not (isinstance(prompt, list) and all(type(t) is int for t in prompt)):
-                    raise APIError(400, "prompt must be a string or a list of token ids", "prompt")
-        except InvalidRequestError as err:
-            raise APIError(400, str(err), "messages" if chat else "prompt") from None
-        if len(prompt) + args["max_new_tokens"] > eng.max_seq_len:
-            raise APIError(
-                400,
-                f"the prompt has {len(prompt)} tokens and max_tokens is "
-                f"{args['max_new_tokens']}, {len(prompt) + args['max_new_tokens']} in all, but "
-                f"the context holds {eng.max_seq_len}; shorten the prompt or lower max_tokens",
-                "messages" if chat else "prompt",
-                "context_length_exceeded",
-            )
+        prompt = prompt_ids(body, chat, eng.tokenizer, eng.config.model_type)
+        check_fits(len(prompt), args["max_new_tokens"], eng.max_seq_len, chat)
         if state["in_flight"] + n > eng.max_batch + max_queue:
-            err = APIError(503, f"the queue is full ({max_queue} waiting); retry later")
-            err.headers["Retry-After"] = "1"
-            raise err
+            raise busy(f"the queue is full ({max_queue} waiting); retry later", 1)
         handles = []
         try:
             for i in range(n):
@@ -339,8 +186,8 @@ def create_app(
         except InvalidRequestError as err:
             for h in handles:
                 h.cancel()
-            raise APIError(400, str(err), "messages" if chat else "prompt") from None
-        return body, handles, stream, bool(opts.get("include_usage")), len(prompt)
+            raise APIError(400, str(err), prompt_param(chat)) from None
+        return body, handles, stream, include_usage, len(prompt)
 
     async def complete(request: Request, chat: bool):
         body, handles, stream, usage_chunk, n_prompt = await read(request, chat)
@@ -363,22 +210,8 @@ def create_app(
         for h in handles:
             h.on_update = wake
 
-        def usage(results):
-            out = sum(len(r.token_ids) for r in results)
-            cached = results[0].stats.get("cached_tokens", 0) if results else 0
-            return {
-                "prompt_tokens": n_prompt,
-                "completion_tokens": out,
-                "total_tokens": n_prompt + out,
-                "prompt_tokens_details": {"cached_tokens": cached},
-            }
-
         def logprobs(entries, offset=0):
-            if entries is None:
-                return None
-            if chat:
-                return chat_logprobs(tokenizer, entries)
-            return completion_logprobs(tokenizer, entries, offset)
+            return logprobs_body(tokenizer, chat, entries, offset)
 
         released = False
 
@@ -413,28 +246,18 @@ def create_app(
             finally:
                 gone.cancel()
                 release()
-            choices = []
-            for i, r in enumerate(results):
-                c = {"index": i, "finish_reason": r.finish_reason, "logprobs": logprobs(r.logprobs)}
-                if chat:
-                    c["message"] = {"role": "assistant", "content": r.text}
-                else:
-                    c["text"] = r.text
-                choices.append(c)
-            return {**head, "object": kind, "choices": choices, "usage": usage(results)}
+            choices = [
+                choice(chat, i, r.text, r.finish_reason, logprobs(r.logprobs))
+                for i, r in enumerate(results)
+            ]
+            return {**head, "object": kind, "choices": choices, "usage": usage(n_prompt, results)}
 
         chunk_kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(i, piece=None, finish=None, role=False, entries=None, offset=0):
             lp = logprobs(entries, offset) if entries else None
-            if chat:
-                delta = {"role": "assistant", "content": ""} if role else {}
-                if piece is not None:
-                    delta["content"] = piece
-                c = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": lp}
-            else:
-                c = {"index": i, "text": piece or "", "finish_reason": finish, "logprobs": lp}
-            return "data: " + json.dumps({**head, "object": chunk_kind, "choices": [c]}) + "\n\n"
+            c = chunk_choice(chat, i, piece, finish, role, lp)
+            return sse({**head, "object": chunk_kind, "choices": [c]})
 
         async def events():
             try:
@@ -456,18 +279,13 @@ def create_app(
                     rest = result.logprobs[sent:] if result.logprobs is not None else None
                     yield chunk(i, finish=result.finish_reason, entries=rest, offset=offset)
                 if usage_chunk:
-                    u = usage([h.result() for h in handles])
-                    yield (
-                        "data: "
-                        + json.dumps({**head, "object": chunk_kind, "choices": [], "usage": u})
-                        + "\n\n"
-                    )
+                    u = usage(n_prompt, [h.result() for h in handles])
+                    yield sse({**head, "object": chunk_kind, "choices": [], "usage": u})
             except Exception as err:  # the stream has begun: the error goes in an event
-                message = f"generation failed: {err}"
-                yield "data: " + json.dumps(error_body(500, message)) + "\n\n"
+                yield sse(error_body(500, f"generation failed: {err}"))
             finally:
                 release()  # a client that hung up cancels its requests here
-            yield "data: [DONE]\n\n"
+            yield DONE
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
