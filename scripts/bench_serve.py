@@ -9,12 +9,22 @@ prompt different), and the script reports per server:
 - throughput: completion tokens of all requests / wall time of the run;
 - time to first token (TTFT), request sent -> first content chunk, p50 and p99;
 - per-token latency, each request's (last chunk - first chunk) / (tokens - 1), p50 and p99;
-- the server's RSS sampled every 0.5 s over the run (start after the warm-up, peak, end).
+- the server's RSS (with its children) sampled every 0.5 s over the run, each sample with the
+  number of requests done by then: at the start (after the warm-up), peak, end, and the growth
+  end - start, against a limit (the issue's: < 50 MB over 2,000 requests after a warm-up).
 
-    python scripts/bench_serve.py --clients 8 --requests 2000 --max-tokens 64
+Both servers format the chat the same way: llama-server gets its built-in ``gemma`` formatter
+(the GGUF carries no chat template, and llama-server's fallback would be ChatML), which
+tests/test_chat_template.py checks equals gemma-serve's ids.
+
+    python scripts/bench_serve.py --clients 8 --requests 2000 --max-tokens 64 \
+        --json serve.json --plot serve.png
     python scripts/bench_serve.py --smoke          # a few seconds: does it run
 
-Not a test: the lead runs it; results go to BENCHMARKS.md by hand (--json writes them).
+--json writes the rows, the arguments, the machine and every sample (RSS over requests, each
+request's TTFT and per-token latency); --plot draws them (RSS over requests, TTFT and
+per-token latency over requests, one line per server) with matplotlib (the bench extra).
+Not a test: the lead runs it; results go to BENCHMARKS.md by hand.
 """
 
 from __future__ import annotations
@@ -58,20 +68,26 @@ def wait_health(base: str, proc: subprocess.Popen | None, timeout: float) -> Non
 
 
 class RssSampler(threading.Thread):
-    def __init__(self, pid: int, every: float = 0.5) -> None:
+    """RSS every ``every`` seconds as (seconds since start, RSS, requests done by then)."""
+
+    def __init__(self, pid: int, progress, every: float = 0.5) -> None:
         super().__init__(daemon=True)
-        self.process, self.every = psutil.Process(pid), every
-        self.samples: list[tuple[float, int]] = []
+        self.process, self.progress, self.every = psutil.Process(pid), progress, every
+        self.samples: list[tuple[float, int, int]] = []
         self.done = threading.Event()
+        self.t0 = time.monotonic()
 
     def rss(self) -> int:
         # the server and its children (llama-server has none; uvicorn runs in one process)
         procs = [self.process, *self.process.children(recursive=True)]
         return sum(p.memory_info().rss for p in procs)
 
+    def sample(self) -> None:
+        self.samples.append((time.monotonic() - self.t0, self.rss(), self.progress()))
+
     def run(self) -> None:
         while not self.done.wait(self.every):
-            self.samples.append((time.monotonic(), self.rss()))
+            self.sample()
 
 
 def one_request(http: httpx.Client, base: str, model: str, i: int, max_tokens: int) -> dict:
@@ -108,11 +124,31 @@ def one_request(http: httpx.Client, base: str, model: str, i: int, max_tokens: i
     }
 
 
-def run_clients(base: str, model: str, clients: int, first: int, count: int, max_tokens: int):
-    """``count`` requests numbered first.. over ``clients`` threads; (results, seconds)."""
+class Progress:
+    """Requests done so far, for the RSS sampler."""
+
+    def __init__(self) -> None:
+        self.done = 0
+
+    def __call__(self) -> int:
+        return self.done
+
+
+def run_clients(
+    base: str,
+    model: str,
+    clients: int,
+    first: int,
+    count: int,
+    max_tokens: int,
+    progress: Progress | None = None,
+):
+    """``count`` requests numbered first.. over ``clients`` threads; (results in the order
+    they ended, seconds)."""
     results: list[dict] = []
     lock = threading.Lock()
     todo = iter(range(first, first + count))
+    progress = progress or Progress()
 
     def client() -> None:
         with httpx.Client(timeout=600) as http:
@@ -124,6 +160,7 @@ def run_clients(base: str, model: str, clients: int, first: int, count: int, max
                 out = one_request(http, base, model, i, max_tokens)
                 with lock:
                     results.append(out)
+                    progress.done += 1
 
     threads = [threading.Thread(target=client) for _ in range(clients)]
     start = time.perf_counter()
@@ -143,18 +180,22 @@ def percentile(values: list[float], q: float) -> float | None:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
-def bench(name: str, base: str, model: str, pid: int, args) -> dict:
+def bench(name: str, base: str, model: str, pid: int, args) -> tuple[dict, dict]:
+    """(the row for the table, the samples for the JSON and the plot)."""
     run_clients(base, model, args.clients, 0, args.warmup, args.max_tokens)
-    sampler = RssSampler(pid)
-    rss_start = sampler.rss()
+    progress = Progress()
+    sampler = RssSampler(pid, progress)
+    sampler.sample()  # after the warm-up, before the first measured request
     sampler.start()
     results, seconds = run_clients(
-        base, model, args.clients, args.warmup, args.requests, args.max_tokens
+        base, model, args.clients, args.warmup, args.requests, args.max_tokens, progress
     )
     sampler.done.set()
     sampler.join()
-    rss = [r for _, r in sampler.samples] or [rss_start]
+    sampler.sample()  # after the last request
+    rss = [r for _, r, _ in sampler.samples]
     tokens = sum(r["tokens"] for r in results)
+    growth = rss[-1] - rss[0]
     row = {
         "server": name,
         "clients": args.clients,
@@ -166,12 +207,55 @@ def bench(name: str, base: str, model: str, pid: int, args) -> dict:
         "ttft_p99": percentile([r["ttft"] for r in results], 99),
         "per_token_p50": percentile([r["per_token"] for r in results], 50),
         "per_token_p99": percentile([r["per_token"] for r in results], 99),
-        "rss_start": rss_start,
+        "rss_start": rss[0],
         "rss_peak": max(rss),
         "rss_end": rss[-1],
+        "rss_growth": growth,
+        "rss_growth_ok": growth < args.max_rss_growth_mb * 2**20,
     }
+    series = {
+        "rss": [{"seconds": t, "rss": r, "requests_done": n} for t, r, n in sampler.samples],
+        "ttft": [r["ttft"] for r in results],
+        "per_token": [r["per_token"] for r in results],
+        "tokens": [r["tokens"] for r in results],
+    }
+    verdict = "within" if row["rss_growth_ok"] else "OVER"
     print(json.dumps(row), flush=True)
-    return row
+    print(
+        f"{name}: RSS growth after warm-up {growth / 2**20:+.1f} MiB over {len(results)} "
+        f"requests ({verdict} the {args.max_rss_growth_mb:g} MiB limit)",
+        flush=True,
+    )
+    return row, series
+
+
+def plot(path: Path, series: dict[str, dict], title: str) -> None:
+    """RSS over requests, and TTFT and per-token latency over requests, per server."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for name, s in series.items():
+        done = [x["requests_done"] for x in s["rss"]]
+        axes[0].plot(done, [x["rss"] / 2**20 for x in s["rss"]], label=name)
+        for ax, key in ((axes[1], "ttft"), (axes[2], "per_token")):
+            xs = [i + 1 for i, v in enumerate(s[key]) if v is not None]
+            ys = [v * 1000 for v in s[key] if v is not None]
+            ax.plot(xs, ys, ".", markersize=2, alpha=0.5, label=name)
+    axes[0].set(xlabel="requests done", ylabel="RSS (MiB)", title="server RSS after warm-up")
+    axes[0].ticklabel_format(axis="y", useOffset=False)
+    axes[1].set(
+        xlabel="request (in the order they ended)", ylabel="ms", title="time to first token"
+    )
+    axes[2].set(xlabel="request (in the order they ended)", ylabel="ms", title="per-token latency")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    bu.save_figure(fig, path)
+    plt.close(fig)
 
 
 def start(cmd: list[str], log: Path) -> subprocess.Popen:
@@ -195,6 +279,7 @@ def ms(x: float | None) -> str:
 def table(rows: list[dict]) -> str:
     headers = ["server", "K", "requests", "tok/s", "TTFT p50 ms", "TTFT p99 ms"]
     headers += ["per-token p50 ms", "per-token p99 ms", "RSS start", "RSS peak", "RSS end"]
+    headers += ["RSS growth"]
     body = [
         [
             r["server"],
@@ -208,6 +293,7 @@ def table(rows: list[dict]) -> str:
             bu.fmt_bytes(r["rss_start"]),
             bu.fmt_bytes(r["rss_peak"]),
             bu.fmt_bytes(r["rss_end"]),
+            f"{r['rss_growth'] / 2**20:+.1f} MiB",
         ]
         for r in rows
     ]
@@ -234,7 +320,9 @@ def main() -> None:
     p.add_argument("--no-llama", action="store_true")
     p.add_argument("--port", type=int, default=8390, help="first port of the started servers")
     p.add_argument("--smoke", action="store_true", help="tiny settings: does it run")
-    p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--max-rss-growth-mb", type=float, default=50.0, help="RSS growth limit, MiB")
+    p.add_argument("--json", type=Path, help="write the results and samples here")
+    p.add_argument("--plot", type=Path, help="draw RSS and latency over requests here (PNG)")
     args = p.parse_args()
     if args.smoke:
         args.clients, args.requests, args.warmup, args.max_tokens = 2, 4, 2, 4
@@ -243,7 +331,7 @@ def main() -> None:
     info = bu.machine_info("cpu", args.threads)
     print(f"machine: {bu.machine_line(info)}\nversions: {bu.versions_line(info)}", flush=True)
     logs = Path(os.environ.get("TMPDIR", "/tmp"))
-    rows, procs = [], []
+    rows, procs, series = [], [], {}
     try:
         base, pid = args.gemma_url, args.gemma_pid
         if base is None:
@@ -257,7 +345,8 @@ def main() -> None:
             procs.append(proc := start(cmd, logs / "bench_serve_gemma.log"))
             base, pid = f"http://127.0.0.1:{port}", proc.pid
             wait_health(base, proc, timeout=1800)
-        rows.append(bench("gemma-serve", base, "gemma", pid, args))
+        row, series["gemma-serve"] = bench("gemma-serve", base, "gemma", pid, args)
+        rows.append(row)
         if not args.no_llama:
             base, pid = args.llama_url, args.llama_pid
             if base is None and not args.llama_server.is_file():
@@ -268,18 +357,24 @@ def main() -> None:
                 cmd = [str(args.llama_server), "-m", gguf, "--port", str(port)]
                 cmd += ["--parallel", str(args.clients), "-c", str(args.ctx * args.clients)]
                 cmd += ["--threads", str(args.threads), "--cont-batching"]
+                cmd += ["--no-jinja", "--chat-template", "gemma"]  # as gemma-serve formats
                 procs.append(proc := start(cmd, logs / "bench_serve_llama.log"))
                 base, pid = f"http://127.0.0.1:{port}", proc.pid
                 wait_health(base, proc, timeout=600)
             if base is not None:
-                rows.append(bench("llama-server", base, "gemma", pid, args))
+                row, series["llama-server"] = bench("llama-server", base, "gemma", pid, args)
+                rows.append(row)
     finally:
         for proc in procs:
             stop(proc)
     print(table(rows))
     if args.json:
         given = {k: str(v) for k, v in vars(args).items()}
-        bu.atomic_write_json(args.json, {"args": given, "machine": info, "rows": rows})
+        out = {"args": given, "machine": info, "rows": rows, "series": series}
+        bu.atomic_write_json(args.json, out)
+    if args.plot and series:
+        k, m = args.clients, args.requests
+        plot(args.plot, series, f"K={k} clients, M={m} requests, max_tokens {args.max_tokens}")
 
 
 def bu_default_gguf() -> str:
