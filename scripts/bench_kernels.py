@@ -3,11 +3,18 @@ weights is fastest. The matrix is Gemma 3 270M's output layer (262,144 x 640), t
 of a decode step; random weights of that shape.
 
     .venv/bin/python scripts/bench_kernels.py [--capability avx2] [--rows 262144] [--cols 640]
+        [--batch 8] [--contract]
 
 ``--capability avx2`` runs the same kernels as an AVX2-only CPU would (see
 ``_benchutil.LOWERED_ENV``). Prints the machine, the measured read bandwidth and a Markdown
 table: median milliseconds per call, the weight bytes streamed per second, and that as a share
 of the read bandwidth.
+
+``--batch B`` multiplies B rows at once, as a batched decode step does (issue #11): the
+engine's batched products (model.linear, quant.QuantizedLinear inside a compiled graph) against
+a GEMM and fbgemm's dynamic int8. ``--contract`` adds the engine's kernels compiled with
+``-ffp-contract=fast`` (inductor's ``cpp.enable_floating_point_contract_flag``): multiply and
+add fused into FMA instructions, which changes the rounding.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _benchutil as bu  # noqa: E402
 
-from gemma_engine import cpu, quant  # noqa: E402
+from gemma_engine import cpu, model, quant  # noqa: E402
 
 
 def median_ms(fn, *args, repeats: int) -> float:
@@ -57,36 +64,9 @@ def rowmajor_int4(x, packed, scale, offset):
     return (lo + hi).to(x.dtype).view(*x.shape[:-1], n)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--capability", choices=["native", "avx2"], default="native")
-    p.add_argument("--rows", type=int, default=262_144)
-    p.add_argument("--cols", type=int, default=640)
-    p.add_argument("--group-size", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--threads", type=int, default=2)
-    args = p.parse_args()
-    bu.reexec_lowered(args.capability)
-    cpu.isolate_compile_cache()
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    n, k = args.rows, args.cols
-    w, x = torch.randn(n, k), torch.randn(1, 1, k)
-    q8, s8 = quant.quantize_int8(w)
-    q4 = quant.quantize_int4(w, args.group_size)
-    lanes = cpu.vector_lanes()
-    words8 = quant.block_int8(q8, lanes)
-    blocked4 = quant.block_int4(*q4, lanes)
-
-    def fused(fn):
-        compiled = torch.compile(fn, fullgraph=True, dynamic=False)
-
-        def call(*a):
-            with cpu.compile_config():  # as the engine compiles its graphs
-                return compiled(*a)
-
-        return call
-
+def one_row(args, fused, x, w, q8, s8, q4, lanes, words8, blocked4) -> list:
+    """The single-token kernels: what a decode step of one sequence runs."""
+    n, k = w.shape
     g = args.group_size
     rows = [
         ("fp32, `F.linear` (MKL GEMV)", "fp32", F.linear, (x, w)),
@@ -136,6 +116,102 @@ def main() -> None:
                 (x.view(1, k), int4pack, g, scales_zeros.transpose(0, 1).contiguous()),
             )
         )
+    return rows
+
+
+def engine_int8(q8, s8, lanes: int) -> quant.Int8Linear:
+    """The engine's int8 layer (kernel layout) over these weights."""
+    layer = quant.Int8Linear(q8.shape[1], q8.shape[0], torch.float32)
+    layer.weight, layer.scale = q8.clone(), s8
+    layer.to_kernel_layout(lanes)
+    return layer
+
+
+def batched_rows(args, fused, x, w, q8, s8, lanes) -> list:
+    """B rows at once: the engine's batched decode products against a GEMM."""
+    int8 = engine_int8(q8, s8, lanes)
+    return [
+        ("fp32, `F.linear` (MKL GEMM)", "fp32", F.linear, (x, w)),
+        (
+            "fp32, compiled rows-inside multiply-reduce (the engine)",
+            "fp32",
+            fused(model.linear),
+            (x, w),
+        ),
+        ("int8, compiled per-row kernels, stacked (the engine)", "int8", fused(int8), (x,)),
+    ]
+
+
+def contracted(args, fused, x, w, q8, s8, lanes, words8) -> list:
+    """The engine's kernels again, compiled with multiply-add contracted to FMA."""
+    if args.batch == 1:
+        return [
+            (
+                "fp32, compiled multiply-reduce, FMA",
+                "fp32",
+                fused(lambda x, w: (x.unsqueeze(-2) * w).sum(-1), "fast"),
+                (x, w),
+            ),
+            (
+                "int8, compiled, int32 words blocked, FMA",
+                "int8",
+                fused(quant.matvec_int8, "fast"),
+                (x, words8, s8),
+            ),
+        ]
+    int8 = engine_int8(q8, s8, lanes)
+    return [
+        (
+            "fp32, compiled rows-inside multiply-reduce, FMA",
+            "fp32",
+            fused(model.linear, "fast"),
+            (x, w),
+        ),
+        ("int8, compiled per-row kernels, stacked, FMA", "int8", fused(int8, "fast"), (x,)),
+    ]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--capability", choices=["native", "avx2"], default="native")
+    p.add_argument("--rows", type=int, default=262_144)
+    p.add_argument("--cols", type=int, default=640)
+    p.add_argument("--group-size", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--batch", type=int, default=1, help="rows multiplied at once")
+    p.add_argument("--contract", action="store_true", help="also the engine's kernels with FMA")
+    args = p.parse_args()
+    bu.reexec_lowered(args.capability)
+    cpu.isolate_compile_cache()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    n, k = args.rows, args.cols
+    w, x = torch.randn(n, k), torch.randn(args.batch, 1, k)
+    q8, s8 = quant.quantize_int8(w)
+    q4 = quant.quantize_int4(w, args.group_size)
+    lanes = cpu.vector_lanes()
+    words8 = quant.block_int8(q8, lanes)
+    blocked4 = quant.block_int4(*q4, lanes)
+
+    def fused(fn, contract: str = "off"):
+        compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+        fma = {"cpp.enable_floating_point_contract_flag": contract}
+
+        def call(*a):
+            # as the engine compiles its graphs (plus the contraction flag)
+            with cpu.compile_config(), torch._inductor.config.patch(fma):
+                return compiled(*a)
+
+        return call
+
+    if args.batch > 1:
+        rows = batched_rows(args, fused, x, w, q8, s8, lanes)
+    else:
+        rows = one_row(args, fused, x, w, q8, s8, q4, lanes, words8, blocked4)
+    if args.contract:
+        rows += contracted(args, fused, x, w, q8, s8, lanes, words8)
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # quantize_dynamic's deprecation notice
         linear = torch.nn.Linear(k, n, bias=False)
@@ -144,7 +220,7 @@ def main() -> None:
             torch.nn.Sequential(linear), {torch.nn.Linear}, dtype=torch.qint8
         )
     rows.append(
-        ("int8 weights and activations, fbgemm `quantize_dynamic`", "int8", dyn, (x.view(1, k),))
+        ("int8 weights and activations, fbgemm `quantize_dynamic`", "int8", dyn, (x.view(-1, k),))
     )
 
     info = bu.machine_info("cpu", args.threads)
@@ -154,14 +230,16 @@ def main() -> None:
     print(
         f"Read bandwidth (sum over 1 GiB, median of {bw['repeats']}): {bw['read_gbs']:.1f} GB/s\n"
     )
-    print(f"Matrix {n} x {k}, one token, {args.threads} threads\n")
+    what = "one token" if args.batch == 1 else f"{args.batch} rows"
+    print(f"Matrix {n} x {k}, {what}, {args.threads} threads\n")
     # Each kernel's answer against the product with its own weights expanded to fp32.
     expect = {
-        "fp32": F.linear(x, w),
-        "int8": F.linear(x, quant.dequantize_int8(q8, s8, torch.float32)),
-        "int4": F.linear(x, quant.dequantize_int4(*q4, torch.float32)),
+        "fp32": F.linear(x, w).double(),
+        "int8": F.linear(x, quant.dequantize_int8(q8, s8, torch.float32)).double(),
+        "int4": F.linear(x, quant.dequantize_int4(*q4, torch.float32)).double(),
     }
     # Weight bytes per weight: int4 adds a float16 scale and offset per group.
+    g = args.group_size
     size = {"fp32": 4, "int8": 1, "int4": 0.5 + 4 / g}
     print(
         "| kernel | ms per call | weight GB/s | share of read bandwidth | max error / max value |"
@@ -170,7 +248,7 @@ def main() -> None:
     for label, fmt, fn, fn_args in rows:
         ms = median_ms(fn, *fn_args, repeats=args.repeats)
         ref = expect[fmt].flatten()
-        err = (fn(*fn_args).flatten() - ref).abs().max() / ref.abs().max()
+        err = (fn(*fn_args).flatten().double() - ref).abs().max() / ref.abs().max()
         gbs = n * k * size[fmt] / ms / 1e6
         share = gbs / bw["read_gbs"]
         print(f"| {label} | {ms:.2f} | {gbs:.1f} | {share:.0%} | {err:.1e} |", flush=True)

@@ -151,7 +151,8 @@ def run_clients(
     progress = progress or Progress()
 
     def client() -> None:
-        with httpx.Client(timeout=600) as http:
+        # A warm-up request may wait for a graph to compile: minutes each on 2 busy cores.
+        with httpx.Client(timeout=3600) as http:
             while True:
                 with lock:
                     i = next(todo, None)
