@@ -211,8 +211,12 @@ def transformers_batches(args) -> list[dict]:
 
 def chat_ttft(args) -> dict:
     """Five turns of about ``--history / 5`` tokens each, then the 6th: its first token."""
+    # Room for the turns' markers and replies: a decoded message re-encodes to more tokens.
     engine = Engine.from_pretrained(
-        args.model, compile=not args.no_compile, max_seq_len=args.history + 512, max_batch=1
+        args.model,
+        compile=not args.no_compile,
+        max_seq_len=2 * args.history + 512,
+        max_batch=1,
     )
     vocab = engine.config.vocab_size
     turn_len = args.history // 5
