@@ -49,7 +49,8 @@ from torch import Tensor, nn
 
 from . import cpu
 from .errors import CheckpointError, InvalidRequestError
-from .model import Experts, one_token_on_cpu_compiled, rows_on_cpu_compiled
+from .layers import one_token_on_cpu_compiled, rows_on_cpu_compiled
+from .sparse_blocks import Experts
 
 METHODS = ("none", "int8", "int4")
 DEFAULT_GROUP_SIZE = 32
@@ -353,7 +354,7 @@ class QuantizedLinear(nn.Module):
             # the rows (B = 8 measured ~1.3x one row's time, against ~12x for expanding the
             # matrix and a GEMM); each row's arithmetic is exactly its solo step's.
             rows = x.reshape(-1, x.shape[-1]).contiguous()
-            # Written to a buffer first, as in model.linear: otherwise inductor inlines what
+            # Written to a buffer first, as in layers.linear: otherwise inductor inlines what
             # computed the rows into every row's reduction.
             rows = rows.as_strided(rows.shape, (rows.shape[1], 1))
             out = torch.stack([self.matvec(rows[i]) for i in range(rows.shape[0])])

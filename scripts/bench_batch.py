@@ -21,7 +21,7 @@ position ctx - 1 through the graph of the kv bucket against the graph reading th
 ``max_seq_len`` buffer, at each context.
 
 ``--batched-linear gemm`` makes the engine's batched CPU decode use F.linear instead of the
-fused multiply-reduce (model.BATCHED_FUSED), to compare the two end to end.
+fused multiply-reduce (layers.BATCHED_FUSED), to compare the two end to end.
 
 ``--plot PNG`` draws aggregate and per-request decode rates against B for every contestant;
 ``--markdown`` prints the tables that BENCHMARKS.md holds.
@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _benchutil as bu  # noqa: E402
 from bench import default_gguf  # noqa: E402
 
-from gemma_engine import Engine, model  # noqa: E402
+from gemma_engine import Engine, layers  # noqa: E402
 from gemma_engine.gguf import ensure_default_model  # noqa: E402
 
 
@@ -349,7 +349,7 @@ def main() -> None:
         args.bucket_contexts, args.bucket_repeats = "64,128", 2
     args.model = str(args.model or ensure_default_model())
     args.batches = [int(b) for b in args.batches.split(",")]
-    model.BATCHED_FUSED = args.batched_linear == "fused"
+    layers.BATCHED_FUSED = args.batched_linear == "fused"
     results = {
         "args": {k: str(v) for k, v in vars(args).items()},
         "machine": info,

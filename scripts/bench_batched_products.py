@@ -1,5 +1,5 @@
 """B rows times one weight matrix in a compiled CPU graph: the forms a batched decode step could
-use for its products (the microbenchmark behind model.BATCHED_FUSED). Not a test.
+use for its products (the microbenchmark behind layers.BATCHED_FUSED). Not a test.
 
 fp32: ``fused`` (the one-token form, rows outer), ``fused_inner`` (rows inside each weight row:
 what the engine uses), ``gemm`` (F.linear). int8, in the engine's kernel layout: ``per_row``

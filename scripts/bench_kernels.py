@@ -11,7 +11,7 @@ table: median milliseconds per call, the weight bytes streamed per second, and t
 of the read bandwidth.
 
 ``--batch B`` multiplies B rows at once, as a batched decode step does (issue #11): the
-engine's batched products (model.linear, quant.QuantizedLinear inside a compiled graph) against
+engine's batched products (layers.linear, quant.QuantizedLinear inside a compiled graph) against
 a GEMM and fbgemm's dynamic int8. ``--contract`` adds the engine's kernels compiled with
 ``-ffp-contract=fast`` (inductor's ``cpp.enable_floating_point_contract_flag``): multiply and
 add fused into FMA instructions, which changes the rounding.
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _benchutil as bu  # noqa: E402
 
-from gemma_engine import cpu, model, quant  # noqa: E402
+from gemma_engine import cpu, layers, quant  # noqa: E402
 
 
 def median_ms(fn, *args, repeats: int) -> float:
@@ -135,7 +135,7 @@ def batched_rows(args, fused, x, w, q8, s8, lanes) -> list:
         (
             "fp32, compiled rows-inside multiply-reduce (the engine)",
             "fp32",
-            fused(model.linear),
+            fused(layers.linear),
             (x, w),
         ),
         ("int8, compiled per-row kernels, stacked (the engine)", "int8", fused(int8), (x,)),
@@ -164,7 +164,7 @@ def contracted(args, fused, x, w, q8, s8, lanes, words8) -> list:
         (
             "fp32, compiled rows-inside multiply-reduce, FMA",
             "fp32",
-            fused(model.linear, "fast"),
+            fused(layers.linear, "fast"),
             (x, w),
         ),
         ("int8, compiled per-row kernels, stacked, FMA", "int8", fused(int8, "fast"), (x,)),

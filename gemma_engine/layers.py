@@ -1,0 +1,110 @@
+"""The building blocks every layer uses: products that pick their kernel, lookups, norms.
+
+On CPU inside a compiled decode graph, products are fused multiply-reduces rather than library
+calls (see ``linear``); elsewhere they are the usual ``F.linear`` / ``matmul``. The model
+(model.py) and the quantized modules (quant.py) share these predicates, so that a float and a
+quantized layer take the same decision for the same step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import GemmaConfig
+
+
+def one_token_on_cpu_compiled(x: Tensor) -> bool:
+    """A decode step of one sequence on CPU inside a compiled graph, where matrix-vector
+    products are fused multiply-reduces: inductor streams a weight matrix through them 1.3-4x
+    faster than MKL's GEMV does (BENCHMARKS.md), and a quantized matrix is expanded in the same
+    pass. A batch of B > 1 rows takes the GEMM: one read of the weights serves every row."""
+    return x.shape[:-1].numel() == 1 and x.device.type == "cpu" and torch.compiler.is_compiling()
+
+
+def rows_on_cpu_compiled(x: Tensor) -> bool:
+    """A decode step of a batch (x: (..., B, 1, K), B > 1) on CPU inside a compiled graph."""
+    return x.shape[-2] == 1 and x.device.type == "cpu" and torch.compiler.is_compiling()
+
+
+# A batched decode step's products on CPU: True, a multiply-reduce with the batch rows inside
+# each weight row (each weight is read once from memory, the few rows stay in cache); False,
+# F.linear (a GEMM). In a microbenchmark on the project's 2-core machine (under load: see the
+# report of issue 11) the fused form was 1.3-3x faster at B = 2, 4, 8 for Gemma 3 270M's
+# shapes, its 262k-row output matrix included (scripts/bench_batched_products.py);
+# scripts/bench_batch.py --batched-linear gemm measures the other choice end to end.
+BATCHED_FUSED = True
+
+
+def decode_on_cpu_compiled(x: Tensor) -> bool:
+    """One new token per batch row (x: (..., B, 1, hidden)), on CPU inside a compiled graph:
+    attention's products, which are per row anyway, stay fused reductions at any batch size."""
+    return x.shape[-2] == 1 and x.device.type == "cpu" and torch.compiler.is_compiling()
+
+
+def linear(x: Tensor, weight: Tensor) -> Tensor:
+    """x @ weight.T, as a fused multiply-reduce for decode steps in a compiled CPU graph."""
+    if one_token_on_cpu_compiled(x):
+        return (x.unsqueeze(-2) * weight).sum(-1)  # (..., 1, K) * (N, K) -> (..., N)
+    if BATCHED_FUSED and rows_on_cpu_compiled(x):
+        rows = x.reshape(-1, x.shape[-1]).contiguous()  # (R, K)
+        # as_strided makes inductor write the rows to a buffer first. Otherwise it inlines
+        # whatever computed them (a norm, or attention's softmax for o_proj) into the
+        # reduction and computes it again for every output row: the default model's B=2
+        # step took 1.78 s instead of 49 ms.
+        rows = rows.as_strided(rows.shape, (rows.shape[1], 1))
+        out = (weight[:, None, :] * rows[None]).sum(-1)  # (N, 1, K) * (1, R, K) -> (N, R)
+        return out.T.reshape(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight)
+
+
+def matmul(a: Tensor, b: Tensor, fused: bool) -> Tensor:
+    """a (..., M, K) @ b (..., K, N); ``fused``: as one multiply-reduce inside the graph.
+
+    A decode step's attention products are tiny batched matrix products (a few query rows
+    against one head's keys), for which a ``bmm`` call costs more in dispatch than in
+    arithmetic (4.6 ms of a 20 ms step, BENCHMARKS.md); inductor fuses the reduction form
+    with the mask and the softmax around it.
+    """
+    if fused:
+        return (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2)  # (..., M, K, 1) * (..., 1, K, N)
+    return torch.matmul(a, b)
+
+
+def batched_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """x (..., K) times each row's own matrix weight (..., N, K) -> (..., N): gathered experts.
+
+    In a compiled CPU graph a fused multiply-reduce, as ``linear``, that reads the gathered
+    rows in place; elsewhere a batched matmul over a copy of them (a few tokens' worth).
+    """
+    if x.device.type == "cpu" and torch.compiler.is_compiling():
+        return (x.unsqueeze(-2) * weight).sum(-1)  # (..., 1, K) * (..., N, K) -> (..., N)
+    return torch.matmul(weight, x.unsqueeze(-1)).squeeze(-1)
+
+
+def lookup(table: nn.Module, tokens: Tensor) -> Tensor:
+    """Rows of an embedding table, float or quantized (see quant.py)."""
+    return table(tokens) if isinstance(table, nn.Embedding) else table.embed(tokens)
+
+
+class Linear(nn.Linear):
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, config: GemmaConfig, scale: bool = True) -> None:
+        super().__init__()
+        self.eps, self.offset = config.rms_norm_eps, config.norm_offset
+        # Gemma 3n/4's value and router norms have no weight at all.
+        self.weight = nn.Parameter(torch.zeros(dim)) if scale else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Gemma normalises in fp32 and scales by (offset + w), also in fp32, before casting
+        # back; Llama-style x.to(dtype) * w would round differently in bf16.
+        out = x.float()
+        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight is None:
+            return out.type_as(x)
+        return (out * (self.offset + self.weight.float())).type_as(x)
