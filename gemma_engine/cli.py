@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 from .errors import GemmaEngineError, InvalidRequestError
+from .parallel import launched_rank
 
 # A prompt is at most max_seq_len tokens (a few bytes each); more than this is not a prompt.
 MAX_PROMPT_BYTES = 64 << 20
@@ -68,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if launched_rank() != 0:  # torchrun: every rank runs this; only rank 0 prints
+        _silence()
     args = _parser().parse_args(argv)
     if args.system is not None and not args.chat:
         _parser().error("--system needs --chat")
@@ -130,6 +134,16 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. piped into head: stop quietly
         sys.stderr.close()
         return 0
+
+
+def _silence() -> None:
+    """Send this process's stdout and stderr (Python's and the C libraries') to /dev/null."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.dup2(null, 2)
+    os.close(null)
 
 
 def _read_prompt(prompt: str | None, prompt_file: str | None) -> str:

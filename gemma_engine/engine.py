@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import cpu, quant
+from . import cpu, parallel, quant
 from .chat_format import chat_ids
 from .config import GemmaConfig
 from .errors import InvalidRequestError
@@ -127,11 +127,15 @@ class Engine:
         weights in fewer bits (see quant.py); a checkpoint saved by ``save_pretrained`` after
         quantizing loads as it was saved. ``max_batch`` sequences are decoded at once (default
         4, fewer if their cache would not fit); ``prefill_chunk`` (default 512) bounds how many
-        prompt tokens run between two decode steps.
+        prompt tokens run between two decode steps. Inside ``torchrun`` (WORLD_SIZE > 1) or
+        an initialized process group, each rank loads its part of the model (tensor
+        parallelism, parallel.py) and every rank must make the same calls.
         """
         device = check_device(device)
         dtype = parse_dtype(dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32))
         check_dtype(dtype, device)
+        # Inside torchrun (or a process group already set up), shard over its ranks.
+        ranks, device = parallel.setup(device)
         loaded = load(
             model,
             device=device,
@@ -142,6 +146,7 @@ class Engine:
             group_size=group_size,
             max_batch=max_batch,
             prefill_chunk=prefill_chunk,
+            ranks=ranks,
         )
         engine = cls(
             loaded.model,
@@ -165,6 +170,11 @@ class Engine:
         from safetensors.torch import save_file
 
         folder = Path(folder).expanduser()
+        if self.model.tp is not None:
+            raise InvalidRequestError(
+                "save_pretrained under tensor parallelism would write one rank's slices; "
+                "save the model from a single process"
+            )
         if folder.exists():
             raise InvalidRequestError(f"{folder} already exists; choose a new folder")
         config = dict(self._source.config)
@@ -251,6 +261,11 @@ class Engine:
             self._head_compiles = False
             self._tell(f"the output layer is ready ({time.perf_counter() - start:.1f} s)")
         return logits
+
+    def agree(self, tokens: Tensor) -> Tensor:
+        """Sampled tokens, the same on every rank: rank 0's under tensor parallelism (seeded
+        generators agree anyway; the global one need not)."""
+        return tokens if self.model.tp is None else self.model.tp.broadcast(tokens)
 
     def _tell(self, text: str) -> None:
         if self.on_compile is not None:

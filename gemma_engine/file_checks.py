@@ -10,6 +10,7 @@ GGUF files have their own walk, in ``gguf_check.py``.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -129,15 +130,22 @@ def shard_files(index: Path, folder: Path) -> list[Path]:
     return files
 
 
-def read_safetensors(file: Path) -> dict[str, torch.Tensor]:
-    """All tensors of one safetensors file, memory-mapped; any failure names the file."""
+def read_safetensors(file: Path, pick: Callable | None = None) -> dict[str, torch.Tensor]:
+    """All tensors of one safetensors file, memory-mapped; any failure names the file.
+
+    ``pick(name, lazy_slice)`` (tensor parallelism) returns the part of a tensor to read, or
+    None to skip it: only those bytes are read from the mapped file.
+    """
     from safetensors import SafetensorError, safe_open
 
     tensors = {}
     try:
         with safe_open(file, framework="pt") as f:  # memory-mapped: no copy when dtypes match
             for name in f.keys():
-                tensors[name] = f.get_tensor(name)
+                if pick is None:
+                    tensors[name] = f.get_tensor(name)
+                elif (part := pick(name, f.get_slice(name))) is not None:
+                    tensors[name] = part
     except (SafetensorError, OSError) as err:
         raise CheckpointError(
             f"{file} is not a valid safetensors file ({err}); it may be truncated: "

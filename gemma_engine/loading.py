@@ -6,13 +6,14 @@ file can run arbitrary code when loaded, so it is refused, never opened.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from . import quant
+from . import parallel, quant
 from .config import AttentionType, GemmaConfig
 from .errors import CheckpointError, CheckpointNotFoundError, InvalidRequestError, OutOfMemoryError
 from .file_checks import (
@@ -139,8 +140,17 @@ def _pickle_refusal(path: Path) -> str:
     )
 
 
-def read_checkpoint(path: Path, dtype: torch.dtype) -> Checkpoint:
-    """Read a folder (config.json + safetensors + tokenizer.model) or a .gguf file."""
+def read_checkpoint(
+    path: Path, dtype: torch.dtype, ranks: parallel.Ranks | None = None
+) -> Checkpoint:
+    """Read a folder (config.json + safetensors + tokenizer.model) or a .gguf file; under
+    tensor parallelism (``ranks``), only this rank's slices of the text model's tensors."""
+    if path.is_file() and ranks is not None:
+        raise InvalidRequestError(
+            f"{path} is a GGUF file, which tensor parallelism cannot read in slices (each rank "
+            "would expand the whole model); convert it to a safetensors folder first "
+            "(scripts/convert_gguf.py) and pass that folder"
+        )
     if path.is_file():
         from .gguf import read_gguf
 
@@ -163,10 +173,22 @@ def read_checkpoint(path: Path, dtype: torch.dtype) -> Checkpoint:
             f"{path} has no tokenizer.model (SentencePiece) or tokenizer.json (Hugging Face)"
         )
     gen = read_generation_config(path / "generation_config.json")
-    return Checkpoint(config, _read_safetensors(path, dtype), tokenizer, gen)
+    pick = None
+    if ranks is not None:
+        if (config.get(quant.CONFIG_KEY) or {}).get("method") == "int4":
+            raise InvalidRequestError(
+                "tensor parallelism cannot slice a saved int4 checkpoint (its bytes pair "
+                "columns j and j + K/2); load the original weights with quantize='int4'"
+            )
+        read = parallel.picker(ranks, config)
+
+        def pick(name: str, part) -> torch.Tensor | None:  # the text model's tensors only
+            return None if name.startswith(_SKIPPED_PREFIXES) else read(name, part)
+
+    return Checkpoint(config, _read_safetensors(path, dtype, pick), tokenizer, gen)
 
 
-def _read_safetensors(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _read_safetensors(folder: Path, dtype: torch.dtype, pick=None) -> dict[str, torch.Tensor]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         shards = shard_files(index, folder)
@@ -181,7 +203,7 @@ def _read_safetensors(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tenso
         )
     tensors: dict[str, torch.Tensor] = {}
     for shard in shards:
-        tensors.update(read_safetensors(shard))
+        tensors.update(read_safetensors(shard, pick))
     for name, tensor in tensors.items():
         if tensor.dtype.is_floating_point and not _is_quant_buffer(name, tensors):
             tensors[name] = tensor.to(dtype)
@@ -231,13 +253,15 @@ def build_model(
     device: torch.device,
     dtype: torch.dtype,
     quantized: tuple[str, int | None] | None = None,
+    shard: parallel.Shard | None = None,
 ) -> GemmaForCausalLM:
     """Build on the meta device and assign the checkpoint's tensors: no second copy.
 
-    ``quantized`` (method, group size) describes a checkpoint saved already quantized.
+    ``quantized`` (method, group size) describes a checkpoint saved already quantized;
+    ``shard``, the part of the model this rank holds under tensor parallelism.
     """
     with torch.device("meta"):
-        model = GemmaForCausalLM(config)
+        model = GemmaForCausalLM(config) if shard is None else shard.build(config)
         if quantized is not None:
             quantize_model(model, *quantized, dtype)
     state = text_state_dict(tensors, config)
@@ -299,42 +323,55 @@ def load(
     group_size: int | None,
     max_batch: int | None,
     prefill_chunk: int | None,
+    ranks: parallel.Ranks | None = None,
 ) -> Loaded:
     """Resolve, read, configure, check, quantize and build: the steps of
-    ``Engine.from_pretrained``, every check done before the weights are placed."""
-    ckpt = read_checkpoint(resolve(model), dtype)
-    config = GemmaConfig.from_hf(ckpt.config)
-    with torch.device("meta"):  # the layers quantization would replace, with no weights
-        skeleton = GemmaForCausalLM(config)
-    method, group_size = quant.check_quantize(quantize, group_size, quant.input_widths(skeleton))
-    quant.check_supported(skeleton, method)
-    saved = ckpt.config.get(quant.CONFIG_KEY)
-    if saved and method not in ("none", saved["method"]):
-        raise InvalidRequestError(
-            f"this checkpoint is already quantized ({saved['method']}); load it without "
-            "quantize, or quantize from the original weights"
+    ``Engine.from_pretrained``, every check done before the weights are placed.
+
+    Under tensor parallelism (``ranks``) each rank reads and builds its part of the model, and
+    an error on one rank ends every rank's load with that rank's message (parallel.py).
+    """
+    with ranks.together() if ranks is not None else contextlib.nullcontext():
+        ckpt = read_checkpoint(resolve(model), dtype, ranks)
+        config = GemmaConfig.from_hf(ckpt.config)
+        shard = ranks.shard(config) if ranks is not None else None
+        with torch.device("meta"):  # the layers quantization would replace, with no weights
+            skeleton = GemmaForCausalLM(config)
+            widths = quant.input_widths(skeleton)
+            if shard is not None:  # a rank's narrower layers must fit int8 words, int4 groups
+                widths = sorted({*widths, *quant.input_widths(shard.build(config))})
+        method, group_size = quant.check_quantize(quantize, group_size, widths)
+        quant.check_supported(skeleton, method)
+        saved = ckpt.config.get(quant.CONFIG_KEY)
+        if saved and method not in ("none", saved["method"]):
+            raise InvalidRequestError(
+                f"this checkpoint is already quantized ({saved['method']}); load it without "
+                "quantize, or quantize from the original weights"
+            )
+        max_seq_len = _check_max_seq_len(max_seq_len, config)
+        buckets = _check_buckets(buckets, max_seq_len)
+        chunk = _check_whole(
+            "prefill_chunk", PREFILL_CHUNK if prefill_chunk is None else prefill_chunk
         )
-    max_seq_len = _check_max_seq_len(max_seq_len, config)
-    buckets = _check_buckets(buckets, max_seq_len)
-    chunk = _check_whole("prefill_chunk", PREFILL_CHUNK if prefill_chunk is None else prefill_chunk)
-    max_batch = _fit_max_batch(max_batch, config, max_seq_len, chunk, dtype, device)
-    tokenizer = Tokenizer(ckpt.tokenizer_model)
-    tokenizer.check_fits(config.vocab_size)
-    if saved:
-        quantized = (saved["method"], saved.get("group_size"))
-        net = build_model(config, ckpt.tensors, device, dtype, quantized)
-    else:
-        net = build_model(config, ckpt.tensors, device, dtype)
-        if method != "none":
-            quant.quantize_model(net, method, group_size, dtype)
-            quantized = (method, group_size)
-        else:
-            quantized = None
+        max_batch = _fit_max_batch(max_batch, config, max_seq_len, chunk, dtype, device)
+        tokenizer = Tokenizer(ckpt.tokenizer_model)
+        tokenizer.check_fits(config.vocab_size)
+        quantized = (saved["method"], saved.get("group_size")) if saved else None
+        net = build_model(config, ckpt.tensors, device, dtype, quantized, shard)
+    if ranks is not None:  # the same batch buckets, hence the same steps, on every rank
+        max_batch = ranks.smallest(max_batch)
+    if not saved and method != "none":  # after the ranks agree: int8 scales are collective
+        row_max = shard.row_max if shard is not None else None
+        quant.quantize_model(net, method, group_size, dtype, row_max=row_max)
+        quantized = (method, group_size)
     del ckpt.tensors  # the model holds what it needs
     if quantized is not None:
         if device.type == "cpu":
             quant.to_kernel_layout(net)
         quant.warn_if_slow(quantized[0], device)
+    if shard is not None:
+        shard.attach(net)
+        shard.notice()
     net.setup_cache(max_seq_len, max_batch, chunk)
     eos = set(config.eos_token_ids)
     gen_eos = ckpt.generation_config.get("eos_token_id")

@@ -369,6 +369,9 @@ class GemmaForCausalLM(nn.Module):
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.max_seq_len = 0
         self.ring = 0  # entries of a sliding layer's ring (setup_cache)
+        # Tensor parallelism (parallel.Shard): this rank holds some heads, MLP columns and
+        # vocabulary rows; o_proj and down_proj outputs are summed over ranks by hooks.
+        self.tp = None
 
     def setup_cache(self, max_seq_len: int, batch: int = 1, chunk: int | None = None) -> None:
         """Allocate the KV cache of ``batch`` sequences and the rope tables once, on the
@@ -429,7 +432,10 @@ class GemmaForCausalLM(nn.Module):
         input_pos = input_pos.expand(B, T)  # one row of positions serves every batch row
         if rows is None:
             rows = torch.arange(B, device=tokens.device)
-        x = lookup(model.embed_tokens, tokens)  # (B, T, hidden)
+        if self.tp is None:
+            x = lookup(model.embed_tokens, tokens)  # (B, T, hidden)
+        else:  # this rank's rows of the vocabulary, summed over ranks
+            x = self.tp.embed(model.embed_tokens, tokens)
         # The sqrt(hidden) scale is rounded to the activation dtype first, as in the reference.
         x = x * torch.tensor(cfg.hidden_size**0.5, dtype=x.dtype, device=x.device)
         per_layer = model.per_layer_inputs(tokens, x) if cfg.hidden_size_per_layer_input else None
@@ -472,6 +478,8 @@ class GemmaForCausalLM(nn.Module):
             logits = linear(x, head.weight)  # (B, T, vocab)
         else:  # Linear, or a quantized matrix that picks its own kernel (quant.py)
             logits = head(x)
+        if self.tp is not None:  # this rank's slice of the vocabulary -> all of it
+            logits = self.tp.gather_vocab(logits)
         if (cap := cfg.final_logit_softcapping) is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits

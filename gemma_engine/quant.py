@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -174,10 +175,19 @@ def warn_if_slow(method: str, device: torch.device) -> None:
 
 
 # -- int8 ----------------------------------------------------------------------------------
-def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
-    """(N, K) float -> int8 (N, K) and fp32 scales (N,), symmetric per output channel."""
+def quantize_int8(
+    w: Tensor, row_max: Callable[[Tensor], Tensor] | None = None
+) -> tuple[Tensor, Tensor]:
+    """(N, K) float -> int8 (N, K) and fp32 scales (N,), symmetric per output channel.
+
+    ``row_max`` maps the rows' absolute maxima to those of the whole rows, when ``w`` holds
+    only some of the columns (tensor parallelism: see parallel.Shard.row_max).
+    """
     w = w.float()
-    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
+    amax = w.abs().amax(dim=1)
+    if row_max is not None:
+        amax = row_max(amax)
+    scale = amax.clamp(min=1e-12) / 127
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
     return q, scale
 
@@ -434,13 +444,18 @@ class Int4Linear(QuantizedLinear):
 
 
 def quantize_model(
-    model: nn.Module, method: str, group_size: int | None, dtype: torch.dtype
+    model: nn.Module,
+    method: str,
+    group_size: int | None,
+    dtype: torch.dtype,
+    row_max: Callable[[str, Tensor], Tensor] | None = None,
 ) -> None:
     """Replace every linear layer and the embedding of ``model`` with ``method``'s modules.
 
     Weights on the meta device give empty modules (to be filled by a strict state-dict load
     of a saved quantized checkpoint); real weights are quantized here, one layer at a time.
-    Either way the modules hold the saved layout until ``to_kernel_layout``.
+    Either way the modules hold the saved layout until ``to_kernel_layout``. ``row_max(name,
+    amax)``: the int8 rows' maxima over every rank (tensor parallelism), by the layer's name.
     """
     check_supported(model, method)
     for parent, name, child in _quantized_children(model):
@@ -456,7 +471,8 @@ def quantize_model(
         with torch.device(w.device):
             if method == "int8" or output:
                 new = Int8Linear(k, n, dtype)
-                tensors = None if w.is_meta else quantize_int8(w)
+                whole = functools.partial(row_max, name) if row_max is not None else None
+                tensors = None if w.is_meta else quantize_int8(w, whole)
             else:
                 new = Int4Linear(k, n, group_size, dtype)
                 tensors = None if w.is_meta else quantize_int4(w, group_size)

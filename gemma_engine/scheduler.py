@@ -168,7 +168,7 @@ class Scheduler:
             self._finish(request)
             return
         logits = engine.head(hidden)[:, -1]  # (1, vocab)
-        token = sample_rows(logits, [request.params], [request.generator])
+        token = engine.agree(sample_rows(logits, [request.params], [request.generator]))
         self._record_logprobs([request], logits, token)
         first = int(token.item())
         request.stats["prefill_seconds"] = time.perf_counter() - request.started
@@ -197,6 +197,7 @@ class Scheduler:
         start = time.perf_counter()
         logits = engine.step(tokens, input_pos, kv_len, rows)[:n, -1]  # (n, vocab)
         sampled = sample_rows(logits, [r.params for r in live], [r.generator for r in live])
+        sampled = engine.agree(sampled)
         self._record_logprobs(live, logits, sampled)
         values = sampled.tolist()
         seconds = time.perf_counter() - start
