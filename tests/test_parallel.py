@@ -72,6 +72,7 @@ def cases(folders: dict[str, str]) -> list[tuple[str, str, dict]]:
     for kind in KINDS:
         out.append((kind, folders[kind], base))
         out.append((f"{kind}-int8", folders[kind], {**base, "quantize": "int8"}))
+    out.append(("gemma2-saved-int8", folders["gemma2-saved-int8"], base))  # sliced int8 bytes
     compiled = {**base, "compile": True, "max_batch": 1, "buckets": [16, 64]}
     out.append((f"{COMPILED}-compiled", folders[COMPILED], compiled))
     return out
@@ -100,13 +101,21 @@ def _worker(rank: int, rendezvous: str, folders: dict[str, str], out: str) -> No
             from safetensors.torch import save_file
 
             save_file({k: v.contiguous() for k, v in tensors.items()}, f"{out}/{name}.safetensors")
+    try:  # an error every rank meets is raised as itself
+        Engine.from_pretrained(f"{out}/no-such-folder", compile=False)
+    except Exception as err:
+        results["same error"] = {"type": type(err).__name__, "message": str(err)}
     Path(f"{out}/tokens{rank}.json").write_text(json.dumps(results))
     torch.distributed.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
-def folders(tiny_checkpoints) -> dict[str, str]:
-    return {kind: str(folder) for kind, (folder, _) in tiny_checkpoints.items()}
+def folders(tiny_checkpoints, tmp_path_factory) -> dict[str, str]:
+    out = {kind: str(folder) for kind, (folder, _) in tiny_checkpoints.items()}
+    saved = tmp_path_factory.mktemp("saved") / "gemma2-int8"
+    Engine.from_pretrained(out["gemma2"], compile=False, quantize="int8").save_pretrained(saved)
+    out["gemma2-saved-int8"] = str(saved)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +152,9 @@ def _load(sharded, name):
     return load_file(str(sharded[0] / f"{name}.safetensors")), sharded[1][0][name]
 
 
-@pytest.mark.parametrize("name", [n for k in KINDS for n in (k, f"{k}-int8")])
+@pytest.mark.parametrize(
+    "name", [n for k in KINDS for n in (k, f"{k}-int8")] + ["gemma2-saved-int8"]
+)
 def test_logits_and_greedy_tokens_match_one_process(name, sharded, single):
     tensors, tokens = _load(sharded, name)
     ref_tensors, ref_tokens = single[name]
@@ -168,6 +179,8 @@ def test_every_rank_samples_the_same_tokens(sharded):
     first, second = ({k: {**v, "seconds": 0} for k, v in r.items()} for r in sharded[1])
     assert first == second  # unseeded sampling included: rank 0's tokens are broadcast
     assert len(first["gemma"]["unseeded"]) == 8
+    assert first["same error"]["type"] == "CheckpointNotFoundError"  # as itself, on every rank
+    assert "no-such-folder" in first["same error"]["message"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
