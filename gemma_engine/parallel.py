@@ -18,6 +18,11 @@ Rank r's layers are those of a model with H/W heads, KV/W KV heads and I/W MLP c
 (``Shard.local_config``); each rank reads only its slices from the memory-mapped safetensors
 (``Shard.read``). Only Gemma 1, 2 and 3 shard (3n and 4 have layers of other kinds).
 
+Why functional collectives on plain tensors rather than DTensor's ``parallelize_module``: each
+rank's weights are ordinary (smaller) tensors, so the engine's own products (the fused
+multiply-reduce decode kernels, the quantized int32-word layouts of quant.py) run unchanged, and
+the communication is three explicit points a layer, which the compiled graph holds as ops.
+
 Every rank must make the same calls in the same order (SPMD): ``torchrun`` starts the same
 program W times. Sampled tokens are broadcast from rank 0, so that the ranks never diverge
 (seeded generators agree anyway; unseeded ones would not).
@@ -41,7 +46,8 @@ from torch import Tensor, nn
 
 from .config import GemmaConfig
 from .errors import GemmaEngineError, InvalidRequestError, UnsupportedModelError
-from .layers import lookup
+from .layers import Linear, lookup
+from .model import GemmaForCausalLM
 
 # A backstop for a rank that is gone or stuck: the other ranks' next collective fails after
 # this long instead of waiting forever. Compiling a decode graph on a busy CPU can take
@@ -184,6 +190,12 @@ def setup(device: torch.device) -> tuple[Ranks | None, torch.device]:
         if device.type == "cuda":
             if device.index is None:
                 device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            if device.index >= torch.cuda.device_count():
+                raise InvalidRequestError(
+                    f"rank {os.environ['RANK']} would run on {device}, but this machine has "
+                    f"{torch.cuda.device_count()} GPU(s); start at most that many processes "
+                    "per node (torchrun --nproc-per-node)"
+                )
             torch.cuda.set_device(device)
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
@@ -231,12 +243,9 @@ class Shard:
             layers=layers,
         )
 
-    def build(self, config: GemmaConfig) -> nn.Module:
+    def build(self, config: GemmaConfig) -> GemmaForCausalLM:
         """This rank's model (on the current device, meta to load into): layers of the local
         config and the rank's rows of the embedding; ``config`` stays the model's own."""
-        from .layers import Linear
-        from .model import GemmaForCausalLM
-
         model = GemmaForCausalLM(self.local_config(config))
         model.config = model.model.config = config
         model.model.embed_tokens = nn.Embedding(self.vocab, config.hidden_size)
@@ -258,7 +267,8 @@ class Shard:
     # -- loading -----------------------------------------------------------------------------
     def read(self, name: str, part) -> Tensor:
         """This rank's slice of the checkpoint tensor ``name``; ``part`` is safetensors'
-        lazy slice of it, so only these bytes are read from the mapped file."""
+        lazy slice of it. Rows come back as views of the memory-mapped file, so a rank's
+        memory holds only the pages of its own rows."""
         m = _SLICED.search(name)
         if m is None:
             return part[:]
@@ -276,7 +286,8 @@ class Shard:
             if m["part"] == "scale":  # per output row, whole on every rank
                 return part[:]
             width = self.heads * self.head_dim if m["attn"] else self.intermediate
-            return part[:, r * width : (r + 1) * width]
+            # A copy: a view of these columns would keep every page of the whole matrix in use.
+            return part[:, r * width : (r + 1) * width].contiguous()
         if m["attn"] == "q":
             width = self.heads * self.head_dim
             return part[r * width : (r + 1) * width]

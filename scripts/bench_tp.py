@@ -77,7 +77,12 @@ def worker(args: argparse.Namespace) -> None:
         out = engine.generate(prompt, max_new_tokens=args.tokens)
         rates.append(out.stats["decode_tokens_per_second"] or 0.0)
         steps.append(out.stats["decode_tokens"])
-    result = {"rates": rates, "steps": steps, "tokens": out.token_ids}
+    result = {
+        "rates": rates,
+        "steps": steps,
+        "tokens": out.token_ids,
+        "peak_rss_bytes": bu.peak_rss_bytes(),  # rank 0's
+    }
     tp = engine.model.tp
     if tp is not None:
         result["collectives"] = collective_costs(engine, tp)
@@ -199,6 +204,7 @@ def main() -> None:
         rates = bu.Summary.of([x for run in runs for x in run["rates"]])
         steps = sorted({s for run in runs for s in run["steps"]})
         busy = [run["other_load"] for run in runs if run["other_load"] is not None]
+        rss = max(run["peak_rss_bytes"] for run in runs)
         comm = [run["collectives"] for run in runs if "collectives" in run]
         cost = "-"
         if comm:
@@ -215,6 +221,7 @@ def main() -> None:
                 rates.fmt(1),
                 f"{1e3 / rates.median:.1f}",
                 ", ".join(map(str, steps)),
+                bu.fmt_bytes(rss),
                 cost,
                 f"{max(busy):.2f}" if busy else "n/a",
             ]
@@ -226,11 +233,12 @@ def main() -> None:
             "decode tok/s",
             "ms/token",
             "steps timed",
+            "peak RSS per process",
             "collectives per step (timed alone)",
             "other load (cores)",
         ],
         rows,
-        align="lrrrll",
+        align="lrrrrll",
     )
     model = args.model or "Gemma 3 270M (default)"
     section = "\n".join(

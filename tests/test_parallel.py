@@ -27,7 +27,9 @@ from gemma_engine.config import GemmaConfig
 
 KINDS = ["gemma", "gemma2", "gemma3"]  # MHA, GQA, MQA
 WORLD = 2
-COMPILED = "gemma3"  # compiling is slow here: one model, one graph (kv bucket 16)
+# Compiling is slow here (a minute on 2 busy cores, cold): one graph (kv bucket 16) of Gemma 3
+# (MQA) cut to 2 layers, a sliding and a global one.
+COMPILED = "gemma3-2-layers"
 PROMPTS = ["The quick brown fox", "def main():\n    return"]
 MISSING = "model.layers.1.mlp.down_proj.weight"  # the tensor one rank's file lacks
 
@@ -74,6 +76,7 @@ def cases(folders: dict[str, str]) -> list[tuple[str, str, dict]]:
         out.append((f"{kind}-int8", folders[kind], {**base, "quantize": "int8"}))
     out.append(("gemma2-saved-int8", folders["gemma2-saved-int8"], base))  # sliced int8 bytes
     compiled = {**base, "compile": True, "max_batch": 1, "buckets": [16, 64]}
+    out.append((COMPILED, folders[COMPILED], base))  # the reference, eager
     out.append((f"{COMPILED}-compiled", folders[COMPILED], compiled))
     return out
 
@@ -93,7 +96,7 @@ def _worker(rank: int, rendezvous: str, folders: dict[str, str], out: str) -> No
         start = time.perf_counter()
         engine = Engine.from_pretrained(folder, **kwargs)
         assert engine.model.tp is not None and engine.model.tp.ranks.world == WORLD
-        tensors, tokens = observe(engine, full="-" not in name)
+        tensors, tokens = observe(engine, full=name in KINDS)
         tokens["seconds"] = round(time.perf_counter() - start, 1)  # (for a slow run)
         tensors["kv_cache_bytes"] = torch.tensor(engine.kv_cache_bytes)
         results[name] = tokens
@@ -110,8 +113,22 @@ def _worker(rank: int, rendezvous: str, folders: dict[str, str], out: str) -> No
 
 
 @pytest.fixture(scope="module")
-def folders(tiny_checkpoints, tmp_path_factory) -> dict[str, str]:
+def folders(tiny_checkpoints, tmp_path_factory, tokenizer_file) -> dict[str, str]:
+    from conftest import tiny_configs
+    from transformers import AutoModelForCausalLM
+
     out = {kind: str(folder) for kind, (folder, _) in tiny_checkpoints.items()}
+    config = tiny_configs()["gemma3"]
+    config.num_hidden_layers, config.layer_types = 2, ["sliding_attention", "full_attention"]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # as conftest.save_tiny
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.3 if "norm" in name else 0.15)
+    short = tmp_path_factory.mktemp(COMPILED)
+    model.save_pretrained(short)
+    shutil.copy(tokenizer_file, short / "tokenizer.model")
+    out[COMPILED] = str(short)
     saved = tmp_path_factory.mktemp("saved") / "gemma2-int8"
     Engine.from_pretrained(out["gemma2"], compile=False, quantize="int8").save_pretrained(saved)
     out["gemma2-saved-int8"] = str(saved)
@@ -139,7 +156,7 @@ def single(folders) -> dict[str, tuple[dict, dict]]:
                 continue
             engine = Engine.from_pretrained(folder, **kwargs)
             assert engine.model.tp is None
-            out[name] = observe(engine, full="-" not in name)
+            out[name] = observe(engine, full=name in KINDS)
             out[name][0]["kv_cache_bytes"] = torch.tensor(engine.kv_cache_bytes)
         return out
     finally:
