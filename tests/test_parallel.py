@@ -75,6 +75,8 @@ def cases(folders: dict[str, str]) -> list[tuple[str, str, dict]]:
         out.append((kind, folders[kind], base))
         out.append((f"{kind}-int8", folders[kind], {**base, "quantize": "int8"}))
     out.append(("gemma2-saved-int8", folders["gemma2-saved-int8"], base))  # sliced int8 bytes
+    # int4 groups of 8 fall on the same columns on each rank as in one process
+    out.append(("gemma2-int4", folders["gemma2"], {**base, "quantize": "int4", "group_size": 8}))
     compiled = {**base, "compile": True, "max_batch": 1, "buckets": [16, 64]}
     out.append((COMPILED, folders[COMPILED], base))  # the reference, eager
     out.append((f"{COMPILED}-compiled", folders[COMPILED], compiled))
@@ -170,7 +172,7 @@ def _load(sharded, name):
 
 
 @pytest.mark.parametrize(
-    "name", [n for k in KINDS for n in (k, f"{k}-int8")] + ["gemma2-saved-int8"]
+    "name", [n for k in KINDS for n in (k, f"{k}-int8")] + ["gemma2-saved-int8", "gemma2-int4"]
 )
 def test_logits_and_greedy_tokens_match_one_process(name, sharded, single):
     tensors, tokens = _load(sharded, name)
