@@ -11,6 +11,7 @@ shapes) is openai_protocol.py; this file holds the app, its routes, the engine t
 import argparse
 import asyncio
 import hmac
+import os
 import threading
 import time
 import uuid
@@ -316,6 +317,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cors-origin", default=None)
     p.add_argument("--max-queue", type=int, default=16)
     args = p.parse_args(argv)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun every rank would serve
+        print(
+            "gemma-serve: error: the server runs in one process; tensor parallelism "
+            "(torchrun) is for gemma-run and the Python API",
+            file=sys.stderr,
+        )
+        return 2
     try:
         import uvicorn
     except ImportError:

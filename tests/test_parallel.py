@@ -335,3 +335,11 @@ def test_the_last_ranks_vocabulary_slice_is_padded_with_zero_rows(folders, tmp_p
     assert [r.shape[0] for r in rows] == [171, 171, 171]
     torch.testing.assert_close(torch.cat(rows)[:512], table, atol=0, rtol=0)
     assert not rows[2][-1].any()
+
+
+def test_the_server_refuses_to_run_under_torchrun(monkeypatch, capsys):
+    from gemma_engine.server import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["--no-compile"]) == 2
+    assert "the server runs in one process" in capsys.readouterr().err
