@@ -33,10 +33,13 @@ solo decode: the tests check tokens and a logit tolerance against plain steps.
 Stale keys. Rejected drafts leave keys in the cache beyond the accepted length; every mask
 compares positions, so a global layer never reads them and they are overwritten when those
 positions are decoded for real. A sliding layer's ring holds window + prefill_chunk entries
-(model.KVCache): writing positions p..p+k evicts p+k-ring, which is outside the window of every
-query at p or later as long as k <= ring - window = prefill_chunk; the engine requires
-k + 1 <= prefill_chunk (the int8 drafter writes one position more). ``slots.Slot.written``
-counts the speculative writes, so prefix reuse stays correct.
+(model.KVCache), sized so that a prompt chunk of up to prefill_chunk tokens can be written
+before it is read; a verify step writes k + 1 positions at once like such a chunk, so the
+engine requires k + 1 <= prefill_chunk. Then writing p..p+k evicts only positions outside the
+window of every query at p or later, and a stale key at p + j (j <= k) sits in the ring entry
+of position p + j - ring, which the mask places outside the window of any later query. (The
+int8 drafter writes fewer positions ahead than the target.) ``slots.Slot.written`` counts
+the speculative writes, so the prefix-reuse rule of slots.py stays correct.
 
 Scope. Speculation runs while exactly one request is decoding (a chat, a CLI run, one client);
 with two or more the scheduler takes its usual batched step, which already reads each weight

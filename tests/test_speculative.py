@@ -104,6 +104,17 @@ def test_cli_reports_bad_speculation_in_one_line(tiny_checkpoints, argv, words, 
     assert words in err, err
 
 
+def test_cli_speculates_with_the_same_text(tiny_checkpoints, capsys):
+    model = ["--model", str(tiny_checkpoints["gemma3"][0]), "--no-compile", "--max-seq-len", "64"]
+    argv = ["--prompt", "The quick brown fox. " * 4, *model, "--max-new-tokens", "24"]
+    assert cli.main(argv) == 0
+    plain = capsys.readouterr()
+    assert cli.main([*argv, "--speculate", "lookup", "--speculate-tokens", "3"]) == 0
+    spec = capsys.readouterr()
+    assert spec.out == plain.out
+    assert "drafts kept" in spec.err and "drafts kept" not in plain.err
+
+
 # -- drafting ---------------------------------------------------------------------------------
 def test_lookup_drafts_what_followed_the_longest_latest_match():
     index = NgramIndex()
