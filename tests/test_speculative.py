@@ -151,6 +151,13 @@ def test_greedy_equals_plain_eager(kind, method, tiny_checkpoints):
     assert plain.stats["drafted_tokens"] == 0
 
 
+def test_int8_weights_with_lookup_equal_plain(tiny_checkpoints):
+    """An int8 model verifies through its own quantized kernels (eager: expanded weights)."""
+    engine = load(tiny_checkpoints["gemma3"][0], "lookup", quantize="int8")
+    plain, spec = plain_and_speculative(engine, REPEATING, max_new_tokens=40)
+    assert spec.token_ids == plain.token_ids and spec.stats["accepted_tokens"] > 0
+
+
 def test_verify_rows_equal_plain_steps(tiny_checkpoints):
     """k + 1 positions of one sequence as k + 1 rows of one step, against k + 1 one-row steps
     (eager: MKL's GEMM against its GEMV, rounding only; see speculative.py)."""
