@@ -66,6 +66,15 @@ def _parser() -> argparse.ArgumentParser:
         "or <start_of_turn> for Gemma 1-3n); stop at the end of the turn",
     )
     p.add_argument("--system", help="a system prompt for --chat")
+    p.add_argument(
+        "--speculate",
+        choices=["none", "lookup", "int8"],
+        help="speculative decoding, same output: draft tokens from the prompt and output "
+        "(lookup) or with an int8 copy of the model (int8), check them in one step",
+    )
+    p.add_argument(
+        "--speculate-tokens", type=int, help="tokens drafted per step with --speculate (default 4)"
+    )
     return p
 
 
@@ -75,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.system is not None and not args.chat:
         _parser().error("--system needs --chat")
+    if args.speculate_tokens is not None and args.speculate in (None, "none"):
+        _parser().error("--speculate-tokens needs --speculate lookup or int8")
     printed = False
     try:
         prompt = _read_prompt(args.prompt, args.prompt_file)
@@ -90,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             buckets=args.buckets,
             quantize=args.quantize,
             group_size=args.group_size,
+            speculate=args.speculate,
+            speculate_tokens=args.speculate_tokens,
         )
         at_line_start = True
 
@@ -188,11 +201,14 @@ def _summary(stats: dict, first_token_seconds: float | None, quantization) -> st
     parts = [
         f"{stats['prompt_tokens']} prompt tokens",
         f"first token {first_token_seconds:.2f} s" if first_token_seconds else "no text",
-        f"decode {rate:.1f} tok/s ({stats['decode_tokens']} steps)" if rate else "no decode steps",
+        f"decode {rate:.1f} tok/s ({stats['decode_tokens']} tokens)" if rate else "no decode steps",
         f"buckets compiled: {', '.join(map(str, compiled))} in {stats['compile_seconds']:.1f} s"
         if compiled
         else "no new graphs compiled",
     ]
+    if stats.get("drafted_tokens"):
+        kept, drafted = stats["accepted_tokens"], stats["drafted_tokens"]
+        parts.insert(3, f"drafts kept {kept}/{drafted} ({kept / drafted:.0%})")
     if quantization:
         method, group = quantization
         parts.insert(0, f"{method} weights" + (f" (groups of {group})" if group else ""))

@@ -42,6 +42,7 @@ from .request import Generation, Request
 from .sampling import MAX_TOP_LOGPROBS, SamplingParams
 from .scheduler import Scheduler
 from .slots import batch_buckets
+from .speculative import Speculator, check_speculate
 from .tokenizer import IncrementalDecoder, Tokenizer
 
 Prompt = str | list[int]
@@ -80,6 +81,7 @@ class Engine:
         self.last_stats: dict[str, Any] = {}  # stats of the latest request, even a stream's
         self.quantization: tuple[str, int | None] | None = None  # (method, group size)
         self._source: Any = None  # the Checkpoint loaded, less its tensors (save_pretrained)
+        self.speculator: Speculator | None = None  # speculative decoding (speculative.py)
         if compile:
             cpu.isolate_compile_cache()
             # One graph per (batch, kv) bucket pair: shapes and kv_len are static, so each new
@@ -120,6 +122,8 @@ class Engine:
         group_size: int | None = None,
         max_batch: int | None = None,
         prefill_chunk: int | None = None,
+        speculate: str | None = None,
+        speculate_tokens: int | None = None,
     ) -> Engine:
         """Load ``model`` (a folder, a .gguf file, a hub id, or None for the default model).
 
@@ -130,12 +134,20 @@ class Engine:
         prompt tokens run between two decode steps. Inside ``torchrun`` (WORLD_SIZE > 1) or
         an initialized process group, each rank loads its part of the model (tensor
         parallelism, parallel.py) and every rank must make the same calls.
+        ``speculate`` ("lookup" or "int8", with ``speculate_tokens`` drafts per step,
+        default 4) decodes speculatively, with the same output (see speculative.py).
         """
+        method, draft_tokens = check_speculate(speculate, speculate_tokens)
         device = check_device(device)
         dtype = parse_dtype(dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32))
         check_dtype(dtype, device)
         # Inside torchrun (or a process group already set up), shard over its ranks.
         ranks, device = parallel.setup(device)
+        if ranks is not None and method != "none":
+            raise InvalidRequestError(
+                "speculative decoding does not run under tensor parallelism yet; drop "
+                "--speculate (speculate=...) or run one process"
+            )
         loaded = load(
             model,
             device=device,
@@ -159,6 +171,8 @@ class Engine:
         )
         engine.quantization = loaded.quantization
         engine._source = loaded.source  # config and tokenizer, for save_pretrained
+        if method != "none":
+            engine.speculator = Speculator(engine, method, draft_tokens)
         return engine
 
     def save_pretrained(self, folder: str | os.PathLike) -> Path:

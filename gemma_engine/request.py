@@ -66,6 +66,10 @@ class Request:
             "decode_tokens": 0,
             "decode_seconds": 0.0,
             "buckets_used": [],
+            # speculative decoding (speculative.py): tokens drafted, and those the model kept
+            "drafted_tokens": 0,
+            "accepted_tokens": 0,
+            "draft_prefill_seconds": 0.0,  # an int8 draft's own prefill of the prompt
         }
         self.generator = None
         if params.seed is not None:  # its own generator: the same draws whatever the batch
@@ -76,6 +80,7 @@ class Request:
         self.prefilled = 0  # prompt positions in the cache
         self.token: int | None = None  # the last token sampled, fed at the next step
         self.new_ids: list[int] = []
+        self.draft_state: Any = None  # a speculative drafter's per-request state
         self.logits: list[Tensor] = []  # score: float32 logits per prompt chunk
         self.started = 0.0  # perf_counter when admitted
         self.graphs_before: set[tuple[int, int]] = set()

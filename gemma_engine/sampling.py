@@ -45,6 +45,13 @@ def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | 
     """Next token ids (B,) from last-position logits (B, vocab); stays on the logits' device."""
     if params.greedy:
         return logits.argmax(dim=-1)
+    probs = probabilities(logits, params)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def probabilities(logits: Tensor, params: SamplingParams) -> Tensor:
+    """The distribution ``sample`` draws from (B, vocab), float32: temperature, then top-k and
+    top-p; speculative decoding (speculative.py) accepts and rejects drafts against it."""
     logits = logits.float() / params.temperature
     if params.top_k is not None and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
@@ -55,8 +62,7 @@ def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | 
         # Drop a token when the tokens before it already reach top_p; the first always stays.
         drop = (cumulative - sorted_logits.softmax(dim=-1)) >= params.top_p
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return logits.softmax(dim=-1)
 
 
 def sample_rows(

@@ -179,6 +179,8 @@ class Scheduler:
 
     def _decode(self) -> None:
         engine = self.engine
+        if engine.speculator is not None and engine.speculator.decode(self):
+            return  # a speculative step (speculative.py): one request, drafts verified
         live = list(self._running)
         n = len(live)
         positions = [r.position for r in live]

@@ -1,0 +1,200 @@
+"""Speculative decoding against plain decode: exact fp32 greedy, `lookup` and `int8` drafting.
+Not a test: run it on a quiet machine.
+
+One engine (fp32, compiled, one row, one kv bucket covering prompt + generation) decodes two
+prompts greedily: a novel-text prompt (a Shakespeare excerpt from /work/shared/data, to be
+continued) and a rewrite-this-text prompt (the same excerpt, then an instruction to write it
+out again, and its first words). Each mode runs on the same engine, so the plain one-row graph
+is shared and the speculators add their verify graph (k + 1 rows) and the int8 draft's own:
+
+- plain: no speculation;
+- lookup: prompt-lookup drafting, ``--tokens-per-step`` (k) drafts;
+- int8: an int8 copy of the model drafting k tokens.
+
+A warm-up generation of each mode and prompt compiles first (and checks that its tokens are
+the plain ones: "identical" in the table); then ``--repeats`` generations, each reporting its
+decode tok/s (``Generation.stats``), of which the median is shown with the acceptance rate
+(drafts kept / drafted) and the speedup over plain. The cost of verifying k drafts: the median
+time of one (k + 1)-row verify step against one plain step, at the rewrite prompt's length.
+
+    .venv/bin/python scripts/bench_speculative.py [--tokens 128] [--repeats 3]
+        [--tokens-per-step 4] [--append] [--json out.json]
+    .venv/bin/python scripts/bench_speculative.py --smoke   # eager, tiny: does it run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _benchutil as bu  # noqa: E402
+
+from gemma_engine import Engine  # noqa: E402
+from gemma_engine.speculative import Speculator  # noqa: E402
+
+CORPUS = Path("/work/shared/data/tinyshakespeare.txt")
+MODES = ("plain", "lookup", "int8")
+
+
+def excerpt(chars: int, offset: int) -> str:
+    """Whole lines of the corpus from ``offset``, about ``chars`` characters."""
+    text = CORPUS.read_text(encoding="utf-8")
+    start = text.index("\n\n", offset) + 2
+    end = text.index("\n", start + chars)
+    return text[start:end]
+
+
+def prompts(chars: int) -> dict[str, str]:
+    novel = excerpt(chars, 200_000)
+    rewrite = excerpt(chars, 600_000)
+    first = " ".join(rewrite.split()[:6])
+    return {
+        "novel": novel + "\n",
+        "rewrite": f"{rewrite}\n\nWrite the text above out again, word for word.\n\n{first}",
+    }
+
+
+def step_seconds(engine: Engine, rows: int, pos: int, repeats: int) -> float:
+    """Median seconds of one decode step of ``rows`` rows of one sequence at ``pos``.."""
+    tokens = torch.full((rows, 1), 1000)
+    positions = torch.arange(pos, pos + rows)
+    kv_len = engine.bucket_for(pos + rows)
+    where = torch.zeros(rows, dtype=torch.long)
+    samples = []
+    for _ in range(repeats + 1):  # the first call may compile
+        start = time.perf_counter()
+        engine.step(tokens, positions, kv_len, where)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples[1:])
+
+
+def run(args) -> dict:
+    torch.set_num_threads(args.threads)
+    texts = prompts(args.chars)
+    engine = Engine.from_pretrained(
+        args.model,
+        compile=not args.no_compile,
+        max_seq_len=args.bucket,
+        buckets=[args.bucket],
+        max_batch=1,
+    )
+    engine.on_compile = lambda text: print(f"  {text}", flush=True)
+    k = args.tokens_per_step
+    speculators = {
+        "plain": None,
+        "lookup": Speculator(engine, "lookup", k),
+        "int8": Speculator(engine, "int8", k),
+    }
+    ids = {name: engine.tokenizer.encode(text) for name, text in texts.items()}
+    rows, reference = [], {}
+    for prompt, prompt_ids in ids.items():
+        for mode in MODES:
+            engine.speculator = speculators[mode]
+            kwargs = dict(max_new_tokens=args.tokens)
+            engine.clear_cache()
+            warm = engine.generate(prompt_ids, **kwargs)  # compiles; the tokens to compare
+            reference.setdefault(prompt, warm.token_ids)
+            rates, drafted, kept = [], 0, 0
+            for _ in range(args.repeats):
+                engine.clear_cache()
+                out = engine.generate(prompt_ids, **kwargs)
+                rates.append(out.stats["decode_tokens_per_second"] or 0.0)
+                drafted += out.stats["drafted_tokens"]
+                kept += out.stats["accepted_tokens"]
+            row = {
+                "prompt": prompt,
+                "prompt_tokens": len(prompt_ids),
+                "mode": mode,
+                "new_tokens": len(warm.token_ids),
+                "tok_s": statistics.median(rates),
+                "tok_s_all": rates,
+                "acceptance": kept / drafted if drafted else None,
+                "drafted_per_run": drafted / args.repeats,
+                "identical": warm.token_ids == reference[prompt],
+            }
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    engine.speculator = None
+    pos = len(ids["rewrite"]) + args.tokens // 2
+    with torch.no_grad():
+        plain = step_seconds(engine, 1, pos, args.step_repeats)
+        verify = step_seconds(engine, k + 1, pos, args.step_repeats)
+    cost = {"position": pos, "k": k, "step_ms": plain * 1e3, "verify_ms": verify * 1e3}
+    print(json.dumps(cost), flush=True)
+    return {"rows": rows, "verify_cost": cost}
+
+
+def markdown(results: dict, args) -> str:
+    base = {r["prompt"]: r["tok_s"] for r in results["rows"] if r["mode"] == "plain"}
+    rows = []
+    for r in results["rows"]:
+        rows.append(
+            [
+                f"{r['prompt']} ({r['prompt_tokens']} tokens)",
+                r["mode"],
+                f"{r['tok_s']:.1f}",
+                f"{r['tok_s'] / base[r['prompt']]:.2f}x" if base.get(r["prompt"]) else "",
+                "" if r["acceptance"] is None else f"{r['acceptance']:.0%}",
+                f"{r['drafted_per_run']:.0f}",
+                "yes" if r["identical"] else "**no**",
+            ]
+        )
+    head = ["prompt", "mode", "decode tok/s", "vs plain", "drafts kept", "drafted", "identical"]
+    table = bu.md_table(head, rows, "llrrrrl")
+    c = results["verify_cost"]
+    cost = (
+        f"Verifying k = {c['k']} drafts (one step of {c['k'] + 1} rows at position "
+        f"{c['position']}): {c['verify_ms']:.1f} ms against {c['step_ms']:.1f} ms for one plain "
+        f"step ({c['verify_ms'] / c['step_ms']:.2f}x)."
+    )
+    return f"{table}\n\n{cost}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="default: Gemma 3 270M")
+    p.add_argument("--tokens", type=int, default=128, help="new tokens per generation")
+    p.add_argument("--tokens-per-step", type=int, default=4, help="k, drafts per step")
+    p.add_argument("--chars", type=int, default=1200, help="length of the excerpt")
+    p.add_argument("--bucket", type=int, default=1024, help="max_seq_len and the one kv bucket")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--step-repeats", type=int, default=20)
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="eager, tiny settings: does it run")
+    p.add_argument("--append", action="store_true", help="append a dated section to BENCHMARKS.md")
+    p.add_argument("--json", type=Path, help="write the results here")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.tokens, args.chars, args.bucket, args.repeats, args.step_repeats = 12, 200, 256, 1, 2
+        args.no_compile = True
+    info = bu.machine_info("cpu", args.threads)
+    print(f"machine: {bu.machine_line(info)}\nversions: {bu.versions_line(info)}", flush=True)
+    results = {"args": {k: str(v) for k, v in vars(args).items()}, "machine": info, **run(args)}
+    table = markdown(results, args)
+    print(table)
+    if args.json:
+        bu.atomic_write_json(args.json, results)
+    if args.append:
+        section = (
+            f"## Speculative decoding, {info['date_utc']}\n\n"
+            f"Machine: {bu.machine_line(info)}\n\nVersions: {bu.versions_line(info)}\n\n"
+            f"Command: `{bu.command_line(argv)}`\n\n"
+            f"Exact fp32 greedy, {args.tokens} new tokens, k = {args.tokens_per_step}, medians of "
+            f"{args.repeats} runs (a warm-up run first; `identical`: the same tokens as plain).\n\n"
+            f"{table}\n"
+        )
+        bu.append_section(bu.BENCHMARKS_MD, section)
+        print(f"appended to {bu.BENCHMARKS_MD}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
