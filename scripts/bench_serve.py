@@ -20,6 +20,8 @@ tests/test_chat_template.py checks equals gemma-serve's ids.
     python scripts/bench_serve.py --clients 8 --requests 2000 --max-tokens 64 \
         --json serve.json --plot serve.png
     python scripts/bench_serve.py --smoke          # a few seconds: does it run
+    python scripts/bench_serve.py --no-gemma ...   # llama-server alone
+    python scripts/bench_serve.py --from-json a.json b.json --plot serve.png  # redraw saved runs
 
 --json writes the rows, the arguments, the machine and every sample (RSS over requests, each
 request's TTFT and per-token latency); --plot draws them (RSS over requests, TTFT and
@@ -158,7 +160,14 @@ def run_clients(
                     i = next(todo, None)
                 if i is None:
                     return
-                out = one_request(http, base, model, i, max_tokens)
+                try:
+                    out = one_request(http, base, model, i, max_tokens)
+                except httpx.RemoteProtocolError:
+                    # The server closed a kept-alive connection just as the request went out
+                    # (llama-server's HTTP library closes one after 100 requests): nothing
+                    # was answered, so send it again on a fresh connection, once.
+                    out = one_request(http, base, model, i, max_tokens)
+                    out["retried"] = True
                 with lock:
                     results.append(out)
                     progress.done += 1
@@ -193,6 +202,11 @@ def bench(name: str, base: str, model: str, pid: int, args) -> tuple[dict, dict]
     )
     sampler.done.set()
     sampler.join()
+    if len(results) != args.requests:
+        raise RuntimeError(
+            f"{name}: {len(results)} of {args.requests} requests completed (a client failed; "
+            "see its traceback above)"
+        )
     sampler.sample()  # after the last request
     rss = [r for _, r, _ in sampler.samples]
     tokens = sum(r["tokens"] for r in results)
@@ -201,6 +215,7 @@ def bench(name: str, base: str, model: str, pid: int, args) -> tuple[dict, dict]
         "server": name,
         "clients": args.clients,
         "requests": len(results),
+        "retried": sum(1 for r in results if r.get("retried")),
         "completion_tokens": tokens,
         "seconds": seconds,
         "tokens_per_second": tokens / seconds,
@@ -257,6 +272,20 @@ def plot(path: Path, series: dict[str, dict], title: str) -> None:
     fig.suptitle(title)
     bu.save_figure(fig, path)
     plt.close(fig)
+
+
+def redraw(paths: list[Path], plot_path: Path | None) -> None:
+    rows, series, title = {}, {}, ""
+    for path in paths:
+        saved = json.loads(path.read_text())
+        a = saved["args"]
+        k, m, n = a["clients"], a["requests"], a["max_tokens"]
+        title = f"K={k} clients, M={m} requests, max_tokens {n}"
+        rows.update({r["server"]: r for r in saved["rows"]})
+        series.update({name: saved["series"][name] for name in rows if name in saved["series"]})
+    print(table(list(rows.values())))
+    if plot_path:
+        plot(plot_path, {name: series[name] for name in rows}, title)
 
 
 def start(cmd: list[str], log: Path) -> subprocess.Popen:
@@ -319,12 +348,24 @@ def main() -> None:
     p.add_argument("--llama-url", help="use this running llama-server (with --llama-pid)")
     p.add_argument("--llama-pid", type=int)
     p.add_argument("--no-llama", action="store_true")
+    p.add_argument("--no-gemma", action="store_true", help="run llama-server alone")
     p.add_argument("--port", type=int, default=8390, help="first port of the started servers")
     p.add_argument("--smoke", action="store_true", help="tiny settings: does it run")
     p.add_argument("--max-rss-growth-mb", type=float, default=50.0, help="RSS growth limit, MiB")
     p.add_argument("--json", type=Path, help="write the results and samples here")
     p.add_argument("--plot", type=Path, help="draw RSS and latency over requests here (PNG)")
+    p.add_argument(
+        "--from-json",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="run nothing: the table of these saved runs (each server's row from the last file "
+        "that has it), and --plot draws their samples",
+    )
     args = p.parse_args()
+    if args.from_json:
+        redraw(args.from_json, args.plot)
+        return
     if args.smoke:
         args.clients, args.requests, args.warmup, args.max_tokens = 2, 4, 2, 4
         args.no_compile, args.ctx = True, 256
@@ -335,7 +376,7 @@ def main() -> None:
     rows, procs, series = [], [], {}
     try:
         base, pid = args.gemma_url, args.gemma_pid
-        if base is None:
+        if base is None and not args.no_gemma:
             port = args.port
             cmd = [sys.executable, "-m", "gemma_engine.server", "--port", str(port)]
             cmd += ["--max-batch", str(args.clients), "--max-seq-len", str(args.ctx)]
@@ -346,8 +387,12 @@ def main() -> None:
             procs.append(proc := start(cmd, logs / "bench_serve_gemma.log"))
             base, pid = f"http://127.0.0.1:{port}", proc.pid
             wait_health(base, proc, timeout=1800)
-        row, series["gemma-serve"] = bench("gemma-serve", base, "gemma", pid, args)
-        rows.append(row)
+        if not args.no_gemma:
+            row, series["gemma-serve"] = bench("gemma-serve", base, "gemma", pid, args)
+            rows.append(row)
+        for proc in procs:  # one server at a time on the machine
+            stop(proc)
+        procs.clear()
         if not args.no_llama:
             base, pid = args.llama_url, args.llama_pid
             if base is None and not args.llama_server.is_file():

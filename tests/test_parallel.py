@@ -3,7 +3,8 @@
 The reference is the single-process engine, which matches transformers (test_parity.py). Each
 group of processes costs seconds to start and a compile costs tens of seconds on a small CPU,
 so one group runs every check of the tiny Gemma 1 (MHA), 2 (GQA) and 3 (MQA) checkpoints in
-turn, float and int8, eager, and Gemma 3 compiled; the tests below compare what it saw.
+turn, float and int8, eager, and Gemma 3 (float) and Gemma 2 (int8) compiled; the tests below
+compare what it saw.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from gemma_engine.config import GemmaConfig
 
 KINDS = ["gemma", "gemma2", "gemma3"]  # MHA, GQA, MQA
 WORLD = 2
-# Compiling is slow here (a minute on 2 busy cores, cold): one graph (kv bucket 16) of Gemma 3
-# (MQA) cut to 2 layers, a sliding and a global one.
-COMPILED = "gemma3-2-layers"
+# Compiling is slow here (a minute on 2 busy cores, cold): one graph (kv bucket 16) each of
+# Gemma 3 (MQA, float) and Gemma 2 (GQA, int8) cut to 2 layers, a sliding and a global one.
+COMPILED = {"gemma3-2-layers": {}, "gemma2-2-layers-int8": {"quantize": "int8"}}
 PROMPTS = ["The quick brown fox", "def main():\n    return"]
 MISSING = "model.layers.1.mlp.down_proj.weight"  # the tensor one rank's file lacks
 
@@ -78,8 +79,9 @@ def cases(folders: dict[str, str]) -> list[tuple[str, str, dict]]:
     # int4 groups of 8 fall on the same columns on each rank as in one process
     out.append(("gemma2-int4", folders["gemma2"], {**base, "quantize": "int4", "group_size": 8}))
     compiled = {**base, "compile": True, "max_batch": 1, "buckets": [16, 64]}
-    out.append((COMPILED, folders[COMPILED], base))  # the reference, eager
-    out.append((f"{COMPILED}-compiled", folders[COMPILED], compiled))
+    for name, extra in COMPILED.items():
+        out.append((name, folders[name], {**base, **extra}))  # the reference, eager
+        out.append((f"{name}-compiled", folders[name], {**compiled, **extra}))
     return out
 
 
@@ -120,17 +122,18 @@ def folders(tiny_checkpoints, tmp_path_factory, tokenizer_file) -> dict[str, str
     from transformers import AutoModelForCausalLM
 
     out = {kind: str(folder) for kind, (folder, _) in tiny_checkpoints.items()}
-    config = tiny_configs()["gemma3"]
-    config.num_hidden_layers, config.layer_types = 2, ["sliding_attention", "full_attention"]
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # as conftest.save_tiny
-        for name, p in model.named_parameters():
-            p.normal_(0.0, 0.3 if "norm" in name else 0.15)
-    short = tmp_path_factory.mktemp(COMPILED)
-    model.save_pretrained(short)
-    shutil.copy(tokenizer_file, short / "tokenizer.model")
-    out[COMPILED] = str(short)
+    for name in COMPILED:
+        config = tiny_configs()[name.split("-")[0]]
+        config.num_hidden_layers, config.layer_types = 2, ["sliding_attention", "full_attention"]
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config)
+        with torch.no_grad():  # as conftest.save_tiny
+            for key, p in model.named_parameters():
+                p.normal_(0.0, 0.3 if "norm" in key else 0.15)
+        short = tmp_path_factory.mktemp(name)
+        model.save_pretrained(short)
+        shutil.copy(tokenizer_file, short / "tokenizer.model")
+        out[name] = str(short)
     saved = tmp_path_factory.mktemp("saved") / "gemma2-int8"
     Engine.from_pretrained(out["gemma2"], compile=False, quantize="int8").save_pretrained(saved)
     out["gemma2-saved-int8"] = str(saved)
@@ -187,9 +190,10 @@ def test_logits_and_greedy_tokens_match_one_process(name, sharded, single):
         assert tokens["seeded"] == ref_tokens["seeded"]
 
 
-def test_compiled_decode_matches_one_process(sharded, single):
-    tensors, tokens = _load(sharded, f"{COMPILED}-compiled")
-    ref_tensors, ref_tokens = single[COMPILED]
+@pytest.mark.parametrize("name", list(COMPILED))
+def test_compiled_decode_matches_one_process(name, sharded, single):
+    tensors, tokens = _load(sharded, f"{name}-compiled")
+    ref_tensors, ref_tokens = single[name]
     torch.testing.assert_close(tensors["decode"], ref_tensors["decode"], atol=1e-5, rtol=0)
     assert tokens["greedy"] == ref_tokens["greedy"]
 
