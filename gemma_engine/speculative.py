@@ -130,6 +130,7 @@ class LookupDrafter:
     """Prompt-lookup decoding: drafts are copies from the request's own prompt and output."""
 
     name = "lookup"
+    prefill_seconds = 0.0  # it has no cache of its own to catch up
 
     def draft(self, request: Request, k: int) -> tuple[list[int], Tensor | None]:
         if request.draft_state is None:
@@ -301,10 +302,10 @@ class Speculator:
             return False
         graphs = self._graphs()
         start = time.perf_counter()
-        catching_up = getattr(self.drafter, "prefill_seconds", 0.0)
+        catching_up = self.drafter.prefill_seconds
         drafts, q = self.drafter.draft(request, n_max)
         # An int8 draft first prefills a new prompt into its own cache: prompt work, not decode.
-        caught_up = getattr(self.drafter, "prefill_seconds", 0.0) - catching_up
+        caught_up = self.drafter.prefill_seconds - catching_up
         if caught_up:
             request.stats["draft_prefill_seconds"] += caught_up
         if not drafts:
@@ -343,9 +344,10 @@ class Speculator:
             stats["decode_seconds"] += seconds
             stats["decode_tokens"] += len(tokens)
         for i, token in enumerate(tokens):
-            scheduler._record_logprobs(
-                [request], logits[i : i + 1], torch.tensor([token], device=device)
-            )
+            if request.logprobs is not None:
+                scheduler._record_logprobs(
+                    [request], logits[i : i + 1], torch.tensor([token], device=device)
+                )
             if request.accept(token, engine.eos_token_ids):
                 scheduler._finish(request)
                 break
