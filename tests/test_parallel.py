@@ -3,8 +3,9 @@
 The reference is the single-process engine, which matches transformers (test_parity.py). Each
 group of processes costs seconds to start and a compile costs tens of seconds on a small CPU,
 so one group runs every check of the tiny Gemma 1 (MHA), 2 (GQA) and 3 (MQA) checkpoints in
-turn, float and int8, eager, and Gemma 3 (float) and Gemma 2 (int8) compiled; the tests below
-compare what it saw.
+turn, float and int8, eager, Gemma 2 and 3 with their other key/value head layouts (MHA, GQA,
+MQA), and each of them compiled too (Gemma 1 and 3 float, Gemma 2 int8);
+the tests below compare what it saw.
 """
 
 from __future__ import annotations
@@ -27,10 +28,22 @@ from gemma_engine import Engine, InvalidRequestError, parallel, quant
 from gemma_engine.config import GemmaConfig
 
 KINDS = ["gemma", "gemma2", "gemma3"]  # MHA, GQA, MQA
+# The other key/value head layouts of Gemma 2 and 3 (float, eager): name -> (kind, KV heads of 4).
+LAYOUTS = {
+    "gemma2-mha": ("gemma2", 4),
+    "gemma2-mqa": ("gemma2", 1),
+    "gemma3-mha": ("gemma3", 4),
+    "gemma3-gqa": ("gemma3", 2),
+}
 WORLD = 2
 # Compiling is slow here (a minute on 2 busy cores, cold): one graph (kv bucket 16) each of
-# Gemma 3 (MQA, float) and Gemma 2 (GQA, int8) cut to 2 layers, a sliding and a global one.
-COMPILED = {"gemma3-2-layers": {}, "gemma2-2-layers-int8": {"quantize": "int8"}}
+# Gemma 1 (MHA, float), Gemma 3 (MQA, float) and Gemma 2 (GQA, int8) cut to 2 layers (for
+# Gemma 2 and 3 a sliding and a global one).
+COMPILED = {
+    "gemma-2-layers": {},
+    "gemma3-2-layers": {},
+    "gemma2-2-layers-int8": {"quantize": "int8"},
+}
 PROMPTS = ["The quick brown fox", "def main():\n    return"]
 MISSING = "model.layers.1.mlp.down_proj.weight"  # the tensor one rank's file lacks
 
@@ -75,6 +88,7 @@ def cases(folders: dict[str, str]) -> list[tuple[str, str, dict]]:
     for kind in KINDS:
         out.append((kind, folders[kind], base))
         out.append((f"{kind}-int8", folders[kind], {**base, "quantize": "int8"}))
+    out += [(name, folders[name], base) for name in LAYOUTS]
     out.append(("gemma2-saved-int8", folders["gemma2-saved-int8"], base))  # sliced int8 bytes
     # int4 groups of 8 fall on the same columns on each rank as in one process
     out.append(("gemma2-int4", folders["gemma2"], {**base, "quantize": "int4", "group_size": 8}))
@@ -116,24 +130,35 @@ def _worker(rank: int, rendezvous: str, folders: dict[str, str], out: str) -> No
     torch.distributed.destroy_process_group()
 
 
+def _save(config, folder: Path, tokenizer_file: Path) -> Path:
+    """A random checkpoint of ``config`` (as conftest.save_tiny)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            p.normal_(0.0, 0.3 if "norm" in key else 0.15)
+    model.save_pretrained(folder)
+    shutil.copy(tokenizer_file, folder / "tokenizer.model")
+    return folder
+
+
 @pytest.fixture(scope="module")
 def folders(tiny_checkpoints, tmp_path_factory, tokenizer_file) -> dict[str, str]:
     from conftest import tiny_configs
-    from transformers import AutoModelForCausalLM
 
     out = {kind: str(folder) for kind, (folder, _) in tiny_checkpoints.items()}
     for name in COMPILED:
         config = tiny_configs()[name.split("-")[0]]
-        config.num_hidden_layers, config.layer_types = 2, ["sliding_attention", "full_attention"]
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config)
-        with torch.no_grad():  # as conftest.save_tiny
-            for key, p in model.named_parameters():
-                p.normal_(0.0, 0.3 if "norm" in key else 0.15)
-        short = tmp_path_factory.mktemp(name)
-        model.save_pretrained(short)
-        shutil.copy(tokenizer_file, short / "tokenizer.model")
-        out[name] = str(short)
+        config.num_hidden_layers = 2
+        if hasattr(config, "layer_types"):  # Gemma 1 has only global layers
+            config.layer_types = ["sliding_attention", "full_attention"]
+        out[name] = str(_save(config, tmp_path_factory.mktemp(name), tokenizer_file))
+    for name, (kind, kv_heads) in LAYOUTS.items():
+        config = tiny_configs()[kind]
+        config.num_key_value_heads = kv_heads
+        out[name] = str(_save(config, tmp_path_factory.mktemp(name), tokenizer_file))
     saved = tmp_path_factory.mktemp("saved") / "gemma2-int8"
     Engine.from_pretrained(out["gemma2"], compile=False, quantize="int8").save_pretrained(saved)
     out["gemma2-saved-int8"] = str(saved)
@@ -175,7 +200,10 @@ def _load(sharded, name):
 
 
 @pytest.mark.parametrize(
-    "name", [n for k in KINDS for n in (k, f"{k}-int8")] + ["gemma2-saved-int8", "gemma2-int4"]
+    "name",
+    [n for k in KINDS for n in (k, f"{k}-int8")]
+    + list(LAYOUTS)
+    + ["gemma2-saved-int8", "gemma2-int4"],
 )
 def test_logits_and_greedy_tokens_match_one_process(name, sharded, single):
     tensors, tokens = _load(sharded, name)
@@ -206,7 +234,7 @@ def test_every_rank_samples_the_same_tokens(sharded):
     assert "no-such-folder" in first["same error"]["message"]
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS + list(LAYOUTS))
 def test_kv_cache_holds_the_ranks_heads(kind, sharded, single, folders):
     """Split KV heads halve the cache per rank; MQA's one head is copied to each rank."""
     tensors, _ = _load(sharded, kind)
