@@ -7,8 +7,10 @@ TORCH ?= torch==2.13.0
 PROMPT ?= The capital of France is
 ARGS ?=
 STAMP := $(VENV)/.installed
+# The default model's first decode graphs, built once into the compile cache (gemma_engine/compile_cache.py).
+PRECOMPILED := $(VENV)/.precompiled
 
-.PHONY: setup weights run test lint format bench bench-buckets llama-cpp llama-tools llama-batched-bench llama-server clean
+.PHONY: setup weights precompile run test lint format bench bench-buckets llama-cpp llama-tools llama-batched-bench llama-server clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +25,16 @@ setup: $(STAMP)
 weights: $(STAMP)
 	$(BIN)/python scripts/convert_gguf.py
 
-run: weights
+# Build the default model's first decode graphs now, once (a minute or two), so that a first run
+# decodes at full speed from its first tokens instead of pausing to compile.
+$(PRECOMPILED): $(STAMP) | weights
+	$(BIN)/gemma-run --precompile
+	touch $@
+
+precompile: weights
+	$(BIN)/gemma-run --precompile $(ARGS)
+
+run: weights $(PRECOMPILED)
 	$(BIN)/gemma-run --prompt "$(PROMPT)" $(ARGS)
 
 test: weights
@@ -60,7 +71,13 @@ llama-cpp: $(STAMP)
 # cores): .llama/bin/llama-batched-bench (parallel decoding, for scripts/bench_batch.py) and
 # .llama/bin/llama-server (its OpenAI-compatible server, for scripts/bench_serve.py).
 # LLAMA_CMAKE="$(LLAMA_AVX2)" builds them for AVX2 only.
-LLAMA_CMAKE ?= -DGGML_NATIVE=ON
+# On a CPU with AMX, ggml's AMX matrix kernels crashed llama-server at its first product on this
+# project's VMs (SIGSEGV in ggml_backend_amx_mul_mat, 2026-12-05): there the build names every
+# other instruction set of the CPU instead of -march=native, and leaves AMX out.
+LLAMA_AVX512 := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+	-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON \
+	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+LLAMA_CMAKE ?= $(if $(shell grep -m1 -o amx_tile /proc/cpuinfo 2>/dev/null),$(LLAMA_AVX512),-DGGML_NATIVE=ON)
 LLAMA_TOOLS := llama-batched-bench llama-server
 llama-tools: $(STAMP)
 	rm -rf .llama/src && mkdir -p .llama/src .llama/bin

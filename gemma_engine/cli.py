@@ -28,6 +28,12 @@ def _parser() -> argparse.ArgumentParser:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the prompt text, or - to read stdin (UTF-8)")
     source.add_argument("--prompt-file", help="a UTF-8 text file holding the prompt")
+    source.add_argument(
+        "--precompile",
+        action="store_true",
+        help="instead of generating, build the decode graphs of the first two buckets (or of "
+        "--buckets) for one sequence and keep them in the compile cache for later runs",
+    )
     p.add_argument(
         "--model",
         help="checkpoint folder, .gguf file or hub id "
@@ -86,9 +92,11 @@ def main(argv: list[str] | None = None) -> int:
         _parser().error("--system needs --chat")
     if args.speculate_tokens is not None and args.speculate in (None, "none"):
         _parser().error("--speculate-tokens needs --speculate lookup or int8")
+    if args.precompile and args.no_compile:
+        _parser().error("--precompile builds compiled graphs: drop --no-compile")
     printed = False
     try:
-        prompt = _read_prompt(args.prompt, args.prompt_file)
+        prompt = None if args.precompile else _read_prompt(args.prompt, args.prompt_file)
         from .engine import Engine
 
         engine = Engine.from_pretrained(
@@ -112,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.flush()
 
         engine.on_compile = tell
+        if args.precompile:
+            return _precompile(engine, args.buckets)
         request = engine.chat_prompt(prompt, system=args.system) if args.chat else prompt
         start = time.perf_counter()
         first = None
@@ -147,6 +157,19 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. piped into head: stop quietly
         sys.stderr.close()
         return 0
+
+
+def _precompile(engine, buckets: list[int] | None) -> int:
+    start = time.perf_counter()
+    built = engine.precompile(buckets)
+    where = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "TorchInductor's cache")
+    print(
+        f"gemma-run: decode graphs ready for 1 sequence and kv buckets "
+        f"{', '.join(map(str, built))} in {time.perf_counter() - start:.1f} s; "
+        f"kept in {where} for later runs",
+        file=sys.stderr,
+    )
+    return 0
 
 
 def _silence() -> None:

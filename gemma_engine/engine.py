@@ -23,8 +23,9 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch._dynamo.utils import counters
 
-from . import cpu, parallel, quant
+from . import compile_cache, cpu, parallel, quant
 from .chat_format import chat_ids
 from .config import GemmaConfig
 from .errors import InvalidRequestError
@@ -46,6 +47,8 @@ from .speculative import Speculator, check_speculate
 from .tokenizer import IncrementalDecoder, Tokenizer
 
 Prompt = str | list[int]
+# A graph's first call compiles it: minutes for the default model on a small CPU, the first time.
+_CACHE_NOTE = "seconds when the compile cache has it, minutes the first time on a machine"
 
 
 class Engine:
@@ -83,7 +86,7 @@ class Engine:
         self._source: Any = None  # the Checkpoint loaded, less its tensors (save_pretrained)
         self.speculator: Speculator | None = None  # speculative decoding (speculative.py)
         if compile:
-            cpu.isolate_compile_cache()
+            compile_cache.use()  # graphs built here are found again by the next process
             # One graph per (batch, kv) bucket pair: shapes and kv_len are static, so each new
             # pair compiles once. Dynamo counts graphs per code object, shared by every engine
             # in the process, so the limit grows by this engine's pairs.
@@ -240,19 +243,39 @@ class Engine:
             rows = torch.arange(B, device=tokens.device)
         if not self.compile:
             return self.model(tokens, input_pos, kv_len, rows)
-        fresh = (B, kv_len) not in self.compile_seconds
-        if fresh:
-            what = f"the decode graph for {B} row{'s' * (B > 1)} and kv bucket {kv_len}"
-            self._tell(f"compiling {what} (once per bucket; a compile cache speeds it up later)")
-        start = time.perf_counter()
         limit = max(Engine._graphs_allowed, 8)
         limits = dict(recompile_limit=limit, accumulated_recompile_limit=max(limit, 256))
         with cpu.compile_config(), torch._dynamo.config.patch(limits):
-            logits = self._compiled(tokens, input_pos, kv_len, rows)
-        if fresh:
-            self.compile_seconds[(B, kv_len)] = seconds = time.perf_counter() - start
-            self._tell(f"{what} is ready ({seconds:.1f} s)")
-        return logits
+            if (B, kv_len) in self.compile_seconds:
+                return self._compiled(tokens, input_pos, kv_len, rows)
+            what = f"the decode graph for {B} row{'s' * (B > 1)} and kv bucket {kv_len}"
+            self._tell(f"compiling {what} (once per bucket; {_CACHE_NOTE})")
+            call = lambda: self._compiled(tokens, input_pos, kv_len, rows)  # noqa: E731
+            logits, self.compile_seconds[(B, kv_len)] = self._first_call(what, call)
+            return logits
+
+    def _first_call(self, what: str, call: Callable[[], Tensor]) -> tuple[Tensor, float]:
+        """The first call of a compiled graph, which builds it: (its result, seconds). Says
+        when it is ready and where it came from; if the compile cache gave a broken graph,
+        clears the cache and builds it again."""
+        hits = counters["inductor"]["fxgraph_cache_hit"]
+        start = time.perf_counter()
+        try:
+            with compile_cache.watch_loads() as failures:
+                out = call()
+            if failures:
+                raise compile_cache.BrokenEntries(failures)
+        except Exception as err:  # a cached graph that did not load, or does not run
+            if not compile_cache.recover(err):
+                raise
+            hits = counters["inductor"]["fxgraph_cache_hit"]
+            self.compile_seconds.clear()  # the process's graphs are gone: announce them again
+            out = call()  # a step is idempotent: it writes the same cache entries again
+        seconds = time.perf_counter() - start
+        cached = counters["inductor"]["fxgraph_cache_hit"] > hits
+        source = "from the compile cache" if cached else "compiled"
+        self._tell(f"{what} is ready ({seconds:.1f} s, {source})")
+        return out, seconds
 
     def prefill(self, ids: list[int], start: int, row: int, all_positions: bool) -> Tensor:
         """Run one prompt chunk ``ids`` at positions ``start``... in cache row ``row`` (eager);
@@ -265,16 +288,41 @@ class Engine:
 
     def head(self, hidden: Tensor) -> Tensor:
         """Logits of the last prompt position (1, 1, vocab)."""
-        fresh = self._head_compiles
-        if fresh:
-            self._tell("compiling the output layer for prompts (once per process)")
-        start = time.perf_counter()
         with cpu.compile_config():
-            logits = self._head(hidden)
-        if fresh:
+            if not self._head_compiles:
+                return self._head(hidden)
+            what = "the output layer for prompts"
+            self._tell(f"compiling {what} (once per process; {_CACHE_NOTE})")
+            logits, _ = self._first_call(what, lambda: self._head(hidden))
             self._head_compiles = False
-            self._tell(f"the output layer is ready ({time.perf_counter() - start:.1f} s)")
-        return logits
+            return logits
+
+    def precompile(self, kv_lens: list[int] | None = None, batch: int = 1) -> list[int]:
+        """Build now the decode graphs of ``batch`` rows for ``kv_lens`` (default: the first
+        two buckets), and the quantized output layer for prompts, so that requests find them
+        ready, in this process or, through the compile cache, in the next. Call it before any
+        request: it writes one position of the first ``batch`` cache rows (their prompts are
+        forgotten). The kv buckets built."""
+        if not self.compile:
+            raise InvalidRequestError("precompile needs a compiled engine (compile=True)")
+        kv_lens = self.buckets[:2] if kv_lens is None else sorted(set(kv_lens))
+        for kv in kv_lens:
+            if kv not in self.buckets:
+                raise InvalidRequestError(
+                    f"{kv} is not one of this engine's kv buckets {self.buckets}"
+                )
+        if batch not in batch_buckets(self.max_batch):
+            raise InvalidRequestError(
+                f"batch {batch} is not one of this engine's batch buckets "
+                f"{batch_buckets(self.max_batch)}"
+            )
+        self.clear_cache()
+        tokens = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
+        for kv in kv_lens:
+            self.step(tokens, torch.full((batch,), kv - 1, device=self.device), kv)
+        if self._head_compiles:  # a one-token prompt gives it its input
+            self.head(self.prefill([0], 0, 0, all_positions=False))
+        return kv_lens
 
     def agree(self, tokens: Tensor) -> Tensor:
         """Sampled tokens, the same on every rank: rank 0's under tensor parallelism (seeded

@@ -36,6 +36,8 @@ TABLE = [
     ("two_prompts", ["--prompt", "hi", "--prompt-file", "<nul>"], b"", "not allowed"),
     ("no_prompt", ["--max-new-tokens", "3"], b"", "required"),
     ("system_without_chat", ["--prompt", "hi", "--system", "be brief"], b"", "--chat"),
+    ("precompile_eagerly", ["--precompile", "--no-compile"], b"", "--no-compile"),
+    ("precompile_and_prompt", ["--precompile", "--prompt", "hi"], b"", "not allowed"),
     ("max_new_tokens_word", ["--prompt", "hi", "--max-new-tokens", "many"], b"", "many"),
     ("quantize_int3", ["--prompt", "hi", "--quantize", "int3"], b"", "int3"),
     ("buckets_words", ["--prompt", "hi", "--buckets", "a,b"], b"", "buckets"),

@@ -1,0 +1,204 @@
+"""Where compiled graphs live between processes, and what happens when one is bad.
+
+TorchInductor keeps what it builds (the generated C++, the shared objects, the wrappers that
+call them) in a cache folder, so a second process that traces the same graph loads it instead
+of compiling it again: seconds instead of minutes on a small CPU. gemma-engine gives that cache
+a folder of its own for each machine and torch build,
+
+    $GEMMA_ENGINE_CACHE (default $XDG_CACHE_HOME/gemma-engine or ~/.cache/gemma-engine)
+        /inductor/<torch version>-<capability>-<key>
+
+where the key covers what decides whether generated code runs here and runs right: torch's
+version, PyTorch's CPU capability (inductor does not key its own cache on it: code generated
+for AVX2 and found again under AVX-512 wrote past its buffers), the CPU's model and instruction
+flags, the machine and Python's version. Another torch or another CPU finds another folder and
+compiles afresh. The model is not in the key: inductor keys each graph by its code, shapes and
+dtypes, and the weights are inputs of the graph, not constants in it, so another checkpoint of
+the same shapes reuses the graphs and other shapes build their own.
+
+Each folder holds a stamp (``stamp.json``) that repeats its key. A folder whose stamp is missing
+or names another key, and a cached graph that fails to load, are set aside with one line on
+stderr, and the graph is built again. ``TORCHINDUCTOR_CACHE_DIR``, when set to another folder
+than inductor's default, is used as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import logging
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from . import cpu
+
+STAMP = "stamp.json"
+# Where torch logs a cached graph it could not load (then builds it anew), with a traceback each.
+_LOADERS = ("torch._inductor.codecache", "torch._functorch._aot_autograd.autograd_cache")
+
+
+def _cpu_description() -> str:
+    """The CPU's model name and instruction-set flags (Linux); the platform's name elsewhere."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")[:200_000]
+    except OSError:
+        return platform.processor() or platform.machine()
+    found: dict[str, str] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        name = name.strip()
+        if name in ("model name", "flags", "Features", "CPU part") and name not in found:
+            found[name] = " ".join(sorted(value.split())) if name != "model name" else value.strip()
+    return json.dumps(found, sort_keys=True)
+
+
+@functools.cache
+def machine_key() -> dict[str, str]:
+    """What a folder of compiled graphs is valid for."""
+    return {
+        "torch": torch.__version__,
+        "capability": cpu.capability(),
+        "cpu": _cpu_description(),
+        "machine": platform.machine(),
+        "python": ".".join(map(str, sys.version_info[:2])),
+        "march": os.environ.get("TORCHINDUCTOR_CPP_MARCH", ""),
+    }
+
+
+def folder_name() -> str:
+    key = machine_key()
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    return f"torch-{key['torch']}-{key['capability'].lower()}-{digest}"
+
+
+def root() -> Path:
+    if "GEMMA_ENGINE_CACHE" in os.environ:
+        return Path(os.environ["GEMMA_ENGINE_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "gemma-engine"
+
+
+def _warn(text: str) -> None:
+    print(f"gemma-engine: warning: {text}", file=sys.stderr)
+
+
+def use() -> Path | None:
+    """Point TorchInductor at this machine's folder (made and stamped if new); the folder, or
+    None when ``TORCHINDUCTOR_CACHE_DIR`` was set by the user or no folder can be made (then
+    inductor's default applies, or, under a lowered capability, a sibling of it).
+    """
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # importing inductor sets the default
+    if current and os.path.abspath(current) != os.path.abspath(default_cache_dir()):
+        return None
+    folder = root() / "inductor" / folder_name()
+    try:
+        _check_stamp(folder)
+    except OSError as err:
+        _warn(f"cannot use {folder} for compiled graphs ({err.strerror or err}); using torch's")
+        cpu.isolate_compile_cache()
+        return None
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+    return folder
+
+
+def _check_stamp(folder: Path) -> None:
+    stamp = folder / STAMP
+    if folder.is_dir():
+        try:
+            found = json.loads(stamp.read_text())
+        except (OSError, ValueError):
+            found = None
+        if found == machine_key():
+            return
+        why = "has no readable stamp" if found is None else "was made for another torch or CPU"
+        _warn(f"the compiled-graph cache {folder} {why}; it is cleared and rebuilt")
+        _set_aside(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    _write_atomic(stamp, json.dumps(machine_key(), indent=1, sort_keys=True))
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _set_aside(folder: Path) -> None:
+    """Rename the folder out of the way (atomic; another process may be reading it), then
+    remove it."""
+    aside = folder.with_name(f".{folder.name}.stale-{os.getpid()}-{time.monotonic_ns()}")
+    try:
+        folder.rename(aside)
+    except OSError:
+        aside = folder
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def watch_loads() -> Iterator[list[str]]:
+    """While a graph is built: catch what torch logs about cached entries it could not load
+    (it builds those anew, and logs a traceback for each); yield a list that collects one
+    line per failure, for the caller to report once."""
+    failures: list[str] = []
+
+    def catch(record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if record.levelno < logging.WARNING or "cache" not in text.lower():
+            return True
+        error = record.exc_info[1] if record.exc_info else None
+        failures.append(f"{text} ({type(error).__name__}: {error})" if error else text)
+        return False
+
+    loggers = [logging.getLogger(name) for name in _LOADERS]
+    for logger in loggers:
+        logger.addFilter(catch)
+    try:
+        yield failures
+    finally:
+        for logger in loggers:
+            logger.removeFilter(catch)
+
+
+class BrokenEntries(Exception):
+    """Cached entries torch could not load while it built a graph. It built the graph anyway,
+    but keeps the broken entries and tries them first every time: the cache is cleared."""
+
+    def __init__(self, failures: list[str]) -> None:
+        more = f" and {len(failures) - 1} more" if len(failures) > 1 else ""
+        super().__init__(f"{failures[0]}{more}")
+
+
+def recover(error: BaseException) -> bool:
+    """After building a graph failed, or met broken cached entries: if the cache folder in use
+    is ours, say so on one line, clear it and forget this process's compiled graphs, and return
+    True (build it again); else False (the error is not the cache's to fix)."""
+    folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not folder or Path(folder).name != folder_name() or not (Path(folder) / STAMP).exists():
+        return False
+    detail = str(error) if isinstance(error, BrokenEntries) else f"{type(error).__name__}: {error}"
+    detail = " ".join(detail.split())[:240]
+    _warn(
+        f"a compiled graph in {folder} could not be loaded ({detail}); the cache is cleared "
+        "and the graph built again"
+    )
+    _set_aside(Path(folder))
+    _check_stamp(Path(folder))
+    torch._dynamo.reset()
+    return True

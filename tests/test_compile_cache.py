@@ -1,0 +1,158 @@
+"""The compile cache (compile_cache.py), through gemma-run in fresh processes.
+
+A process that builds a decode graph leaves it in the cache; the next process finds it there
+(and says so) instead of compiling; a cache made for another torch or CPU, or one whose files
+are broken, is cleared with one warning line and built again. In every case the text equals
+the eager engine's (itself checked against transformers in test_parity.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from gemma_engine import compile_cache
+
+PROMPT = "The quick brown fox"
+OPTIONS = ["--max-new-tokens", "8", "--buckets", "16", "--max-seq-len", "16", "--max-batch", "1"]
+READY = "the decode graph for 1 row and kv bucket 16 is ready"
+
+
+def gemma_run(model: Path, cache: Path, *args: str, env: dict | None = None):
+    environ = {**os.environ, "GEMMA_ENGINE_CACHE": str(cache), **(env or {})}
+    environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    run = subprocess.run(
+        [sys.executable, "-m", "gemma_engine.cli", "--model", str(model), *OPTIONS, *args],
+        capture_output=True,
+        text=True,
+        env=environ,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr
+    return run
+
+
+def source_of_graph(stderr: str) -> str:
+    """'compiled' or 'from the compile cache', from the one ready notice of the graph."""
+    lines = [line for line in stderr.splitlines() if READY in line]
+    assert len(lines) == 1, stderr
+    return lines[0].rsplit(", ", 1)[1].rstrip(")")
+
+
+def warnings(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "warning:" in line]
+
+
+def cache_folder(cache: Path) -> Path:
+    (folder,) = (cache / "inductor").iterdir()
+    return folder
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoints) -> Path:
+    return tiny_checkpoints["gemma3"][0]
+
+
+@pytest.fixture(scope="module")
+def eager_text(model, tmp_path_factory) -> str:
+    return gemma_run(model, tmp_path_factory.mktemp("unused"), "--prompt", PROMPT, "--no-compile")
+
+
+@pytest.fixture(scope="module")
+def warm_cache(model, tmp_path_factory) -> Path:
+    """A cache that --precompile filled."""
+    cache = tmp_path_factory.mktemp("cache")
+    run = gemma_run(model, cache, "--precompile")
+    assert "compiling the decode graph for 1 row and kv bucket 16" in run.stderr
+    assert source_of_graph(run.stderr) == "compiled"
+    assert "decode graphs ready for 1 sequence and kv buckets 16" in run.stderr
+    assert run.stdout == "" and not warnings(run.stderr)
+    return cache
+
+
+def test_the_next_process_finds_the_graph_precompile_built(model, warm_cache, eager_text):
+    run = gemma_run(model, warm_cache, "--prompt", PROMPT)
+    assert source_of_graph(run.stderr) == "from the compile cache"
+    assert run.stdout == eager_text.stdout and not warnings(run.stderr)
+    stamp = json.loads((cache_folder(warm_cache) / compile_cache.STAMP).read_text())
+    assert stamp["torch"] and stamp["capability"] and stamp["cpu"]
+
+
+def test_other_weights_of_the_same_shapes_reuse_the_graph(model, warm_cache, tmp_path):
+    """Weights are inputs of the graph, not constants in it."""
+    other = tmp_path / "other"
+    shutil.copytree(model, other)
+    tensors = load_file(other / "model.safetensors")
+    save_file({k: v.flip(-1).contiguous() for k, v in tensors.items()}, other / "model.safetensors")
+    eager = gemma_run(other, tmp_path / "unused", "--prompt", PROMPT, "--no-compile")
+    run = gemma_run(other, warm_cache, "--prompt", PROMPT)
+    assert source_of_graph(run.stderr) == "from the compile cache"
+    assert run.stdout == eager.stdout
+
+
+def test_a_cache_made_for_another_torch_or_cpu_is_rebuilt(model, warm_cache, eager_text, tmp_path):
+    cache = tmp_path / "cache"
+    shutil.copytree(warm_cache, cache)
+    stamp = cache_folder(cache) / compile_cache.STAMP
+    key = json.loads(stamp.read_text())
+    stamp.write_text(json.dumps({**key, "torch": "2.0.0"}))
+    run = gemma_run(model, cache, "--prompt", PROMPT)
+    (warning,) = warnings(run.stderr)
+    assert "was made for another torch or CPU; it is cleared and rebuilt" in warning
+    assert source_of_graph(run.stderr) == "compiled"
+    assert run.stdout == eager_text.stdout
+    assert json.loads(stamp.read_text()) == key  # stamped again for this machine
+    again = gemma_run(model, cache, "--prompt", PROMPT)
+    assert source_of_graph(again.stderr) == "from the compile cache" and not warnings(again.stderr)
+
+
+@pytest.mark.parametrize("which", ["every file", "shared objects"])
+def test_broken_cached_files_are_rebuilt_with_one_warning(
+    model, warm_cache, eager_text, tmp_path, which
+):
+    """Every cached file overwritten (torch finds its entries unreadable and builds them anew),
+    or only the compiled kernels (the graph's entry loads, its kernels do not)."""
+    cache = tmp_path / "cache"
+    shutil.copytree(warm_cache, cache)
+    broken = 0
+    for path in cache_folder(cache).rglob("*"):
+        if path.is_file() and path.name != compile_cache.STAMP and path.stat().st_size:
+            if which == "every file" or path.suffix == ".so":
+                path.write_bytes(b"\x00garbage" * 8)
+                broken += 1
+    assert broken
+    run = gemma_run(model, cache, "--prompt", PROMPT)
+    (warning,) = warnings(run.stderr)
+    assert "could not be loaded" in warning and "the cache is cleared" in warning
+    assert "Traceback" not in run.stderr
+    assert source_of_graph(run.stderr) == "compiled"
+    assert run.stdout == eager_text.stdout
+    again = gemma_run(model, cache, "--prompt", PROMPT)
+    assert source_of_graph(again.stderr) == "from the compile cache" and not warnings(again.stderr)
+    assert again.stdout == eager_text.stdout
+
+
+def test_a_lowered_capability_uses_its_own_folder():
+    """What a graph is generated for is part of the key: AVX2 code must not be found by an
+    AVX-512 process, nor the reverse."""
+    code = (
+        "from gemma_engine import compile_cache, cpu\n"
+        "print(cpu.capability(), compile_cache.folder_name())"
+    )
+    names = {}
+    for lowered in ("", "avx2", "default"):
+        env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+        env.update({"ATEN_CPU_CAPABILITY": lowered} if lowered else {})
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+        capability, names[lowered] = run.stdout.split()
+        assert capability.lower() in names[lowered]
+    assert names["default"] not in (names[""], names["avx2"])
+    if "avx2" not in names[""]:  # an AVX-512 machine
+        assert names["avx2"] != names[""]
