@@ -114,6 +114,9 @@ def use() -> Path | None:
 
 
 def _check_stamp(folder: Path) -> None:
+    """Make sure ``folder`` holds this machine's stamp. A new or empty folder is stamped (an
+    empty one may be another process's, about to stamp it); one stamped for another machine,
+    or holding files but no readable stamp, is set aside with one warning line and made anew."""
     stamp = folder / STAMP
     if folder.is_dir():
         try:
@@ -122,9 +125,10 @@ def _check_stamp(folder: Path) -> None:
             found = None
         if found == machine_key():
             return
-        why = "has no readable stamp" if found is None else "was made for another torch or CPU"
-        _warn(f"the compiled-graph cache {folder} {why}; it is cleared and rebuilt")
-        _set_aside(folder)
+        if found is not None or any(not p.name.startswith(".") for p in folder.iterdir()):
+            why = "has no readable stamp" if found is None else "was made for another torch or CPU"
+            _warn(f"the compiled-graph cache {folder} {why}; it is cleared and rebuilt")
+            _set_aside(folder)
     folder.mkdir(parents=True, exist_ok=True)
     _write_atomic(stamp, json.dumps(machine_key(), indent=1, sort_keys=True))
 

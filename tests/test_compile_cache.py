@@ -156,3 +156,20 @@ def test_a_lowered_capability_uses_its_own_folder():
     assert names["default"] not in (names[""], names["avx2"])
     if "avx2" not in names[""]:  # an AVX-512 machine
         assert names["avx2"] != names[""]
+
+
+def test_an_empty_folder_is_stamped_and_a_stampless_one_with_files_set_aside(tmp_path, capsys):
+    """An empty folder may be another process's, about to stamp it: no warning. Files without a
+    stamp are of unknown origin: one warning, and the folder is made anew."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    compile_cache._check_stamp(empty)
+    assert json.loads((empty / compile_cache.STAMP).read_text()) == compile_cache.machine_key()
+    assert capsys.readouterr().err == ""
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    (unknown / "entry").write_bytes(b"?")
+    compile_cache._check_stamp(unknown)
+    (warning,) = capsys.readouterr().err.splitlines()
+    assert "has no readable stamp; it is cleared and rebuilt" in warning
+    assert sorted(p.name for p in unknown.iterdir()) == [compile_cache.STAMP]
