@@ -258,7 +258,7 @@ def _failing_worker(rank: int, rendezvous: str, folders: list[str], out: str) ->
         result = {"error": type(err).__name__, "message": str(err)}
     result["seconds"] = time.perf_counter() - start
     Path(f"{out}/rank{rank}.json").write_text(json.dumps(result))
-    sys.exit(2 if result["error"] else 0)  # as gemma-run does
+    os._exit(2 if result["error"] else 0)  # as gemma-run does under torch.distributed
 
 
 def test_an_error_on_one_rank_ends_every_rank_with_its_message(folders, tmp_path):
