@@ -96,12 +96,13 @@ def tiny_configs() -> dict[str, object]:
     }
 
 
-def save_tiny(kind: str, folder: Path, tokenizer_file: Path, seed: int = 0):
-    """Save a random tiny model of ``kind`` with transformers; return the reference model."""
+def save_tiny(kind: str, folder: Path, tokenizer_file: Path, seed: int = 0, config=None):
+    """Save a random tiny model of ``kind`` (or of a changed copy of its ``config``) with
+    transformers; return the reference model."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = tiny_configs()[kind]
+    config = config or tiny_configs()[kind]
     config._attn_implementation = "eager"
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # larger weights than init: peaked logits, and norms away from zero

@@ -130,35 +130,28 @@ def _worker(rank: int, rendezvous: str, folders: dict[str, str], out: str) -> No
     torch.distributed.destroy_process_group()
 
 
-def _save(config, folder: Path, tokenizer_file: Path) -> Path:
-    """A random checkpoint of ``config`` (as conftest.save_tiny)."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for key, p in model.named_parameters():
-            p.normal_(0.0, 0.3 if "norm" in key else 0.15)
-    model.save_pretrained(folder)
-    shutil.copy(tokenizer_file, folder / "tokenizer.model")
-    return folder
-
-
 @pytest.fixture(scope="module")
 def folders(tiny_checkpoints, tmp_path_factory, tokenizer_file) -> dict[str, str]:
-    from conftest import tiny_configs
+    from conftest import save_tiny, tiny_configs
 
     out = {kind: str(folder) for kind, (folder, _) in tiny_checkpoints.items()}
+
+    def save(name: str, kind: str, config) -> None:
+        folder = tmp_path_factory.mktemp(name)
+        save_tiny(kind, folder, tokenizer_file, config=config)
+        out[name] = str(folder)
+
     for name in COMPILED:
-        config = tiny_configs()[name.split("-")[0]]
+        kind = name.split("-")[0]
+        config = tiny_configs()[kind]
         config.num_hidden_layers = 2
         if hasattr(config, "layer_types"):  # Gemma 1 has only global layers
             config.layer_types = ["sliding_attention", "full_attention"]
-        out[name] = str(_save(config, tmp_path_factory.mktemp(name), tokenizer_file))
+        save(name, kind, config)
     for name, (kind, kv_heads) in LAYOUTS.items():
         config = tiny_configs()[kind]
         config.num_key_value_heads = kv_heads
-        out[name] = str(_save(config, tmp_path_factory.mktemp(name), tokenizer_file))
+        save(name, kind, config)
     saved = tmp_path_factory.mktemp("saved") / "gemma2-int8"
     Engine.from_pretrained(out["gemma2"], compile=False, quantize="int8").save_pretrained(saved)
     out["gemma2-saved-int8"] = str(saved)
