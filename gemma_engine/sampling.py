@@ -59,8 +59,10 @@ def probabilities(logits: Tensor, params: SamplingParams) -> Tensor:
     if params.top_p is not None and params.top_p < 1:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        # Drop a token when the tokens before it already reach top_p; the first always stays.
+        # Drop a token when the tokens before it already reach top_p; the first always stays
+        # (set explicitly: a top_p below float32's range rounds to 0, and 0 >= 0 would drop it).
         drop = (cumulative - sorted_logits.softmax(dim=-1)) >= params.top_p
+        drop[..., 0] = False
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     return logits.softmax(dim=-1)
 

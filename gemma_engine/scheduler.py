@@ -163,7 +163,6 @@ class Scheduler:
             request.logits.append(engine.model.logits(hidden)[0].float().cpu())
         if end < len(request.ids):
             return
-        self._prefilling = None
         if request.score:
             self._finish(request)
             return
@@ -171,6 +170,9 @@ class Scheduler:
         token = engine.agree(sample_rows(logits, [request.params], [request.generator]))
         self._record_logprobs([request], logits, token)
         first = int(token.item())
+        # Prefilling until here: if anything above raised, the request is failed with the
+        # error and its slot reset (_fail_in_flight), instead of waiting forever.
+        self._prefilling = None
         request.stats["prefill_seconds"] = time.perf_counter() - request.started
         if request.accept(first, engine.eos_token_ids):
             self._finish(request)

@@ -115,6 +115,32 @@ def test_top_p_keeps_only_the_nucleus():
     assert drawn == {0, 1}  # 0.5 + 0.3 reaches 0.7; 2 and 3 are cut
 
 
+def test_a_top_p_below_float32s_range_keeps_the_most_likely_token():
+    """top_p = 1e-300 rounds to 0 in float32: the first token must stay all the same (it was
+    dropped with the rest, and sampling failed on an all-NaN distribution)."""
+    from gemma_engine.sampling import SamplingParams, probabilities
+
+    logits = torch.log(torch.tensor([[0.2, 0.5, 0.3]]))
+    probs = probabilities(logits, SamplingParams(temperature=1.0, top_p=1e-300))
+    assert probs.tolist() == [[0.0, 1.0, 0.0]]
+
+
+def test_a_step_that_fails_after_the_prompt_fails_its_request(engine, monkeypatch):
+    """An error while sampling the first token fails that request (it is not left waiting with
+    its cache row taken), and the engine goes on."""
+    import gemma_engine.scheduler as scheduler
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(scheduler, "sample_rows", broken)
+        with pytest.raises(RuntimeError, match="injected failure"):
+            engine.generate(ids_for(5), max_new_tokens=3)
+    assert not any(slot.busy for slot in engine.scheduler.slots.slots)
+    assert len(engine.generate(ids_for(5), max_new_tokens=3).token_ids) == 3
+
+
 def test_stream_equals_generate_and_length_limits(engine):
     prompt = ids_for(5)
     full = engine.generate(prompt, max_new_tokens=25)
