@@ -62,15 +62,6 @@ bench-buckets: $(STAMP)
 LLAMA_CPP ?= llama-cpp-python==0.3.36
 LLAMA_AVX2 := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
 	-DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF
-llama-cpp: $(STAMP)
-	$(BIN)/pip install -q --no-cache-dir --no-deps --no-binary llama-cpp-python --target .llama/native "$(LLAMA_CPP)"
-	CMAKE_ARGS="$(LLAMA_AVX2)" $(BIN)/pip install -q --no-cache-dir --no-deps --no-binary llama-cpp-python \
-		--target .llama/avx2 "$(LLAMA_CPP)"
-
-# llama.cpp's tools from the vendored source of the same sdist, in one build (10-20 minutes on 2
-# cores): .llama/bin/llama-batched-bench (parallel decoding, for scripts/bench_batch.py) and
-# .llama/bin/llama-server (its OpenAI-compatible server, for scripts/bench_serve.py).
-# LLAMA_CMAKE="$(LLAMA_AVX2)" builds them for AVX2 only.
 # On a CPU with AMX, ggml's AMX matrix kernels crashed llama-server at its first product on this
 # project's VMs (SIGSEGV in ggml_backend_amx_mul_mat, 2026-12-05): there the build names every
 # other instruction set of the CPU instead of -march=native, and leaves AMX out.
@@ -78,6 +69,16 @@ LLAMA_AVX512 := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DG
 	-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON \
 	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 LLAMA_CMAKE ?= $(if $(shell grep -m1 -o amx_tile /proc/cpuinfo 2>/dev/null),$(LLAMA_AVX512),-DGGML_NATIVE=ON)
+llama-cpp: $(STAMP)
+	CMAKE_ARGS="$(LLAMA_CMAKE)" $(BIN)/pip install -q --no-cache-dir --no-deps --no-binary llama-cpp-python \
+		--target .llama/native "$(LLAMA_CPP)"
+	CMAKE_ARGS="$(LLAMA_AVX2)" $(BIN)/pip install -q --no-cache-dir --no-deps --no-binary llama-cpp-python \
+		--target .llama/avx2 "$(LLAMA_CPP)"
+
+# llama.cpp's tools from the vendored source of the same sdist, in one build (10-20 minutes on 2
+# cores): .llama/bin/llama-batched-bench (parallel decoding, for scripts/bench_batch.py) and
+# .llama/bin/llama-server (its OpenAI-compatible server, for scripts/bench_serve.py).
+# LLAMA_CMAKE="$(LLAMA_AVX2)" builds them for AVX2 only.
 LLAMA_TOOLS := llama-batched-bench llama-server
 llama-tools: $(STAMP)
 	rm -rf .llama/src && mkdir -p .llama/src .llama/bin
