@@ -43,6 +43,8 @@ import torch
 from . import cpu
 
 STAMP = "stamp.json"
+# The vector instruction sets inductor's probe found usable here (see trust_vector_probe).
+VECTOR_PROBE = "vector_probe.json"
 # Where torch logs a cached graph it could not load (then builds it anew), with a traceback each.
 _LOADERS = ("torch._inductor.codecache", "torch._functorch._aot_autograd.autograd_cache")
 
@@ -110,7 +112,50 @@ def use() -> Path | None:
         cpu.isolate_compile_cache()
         return None
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+    trust_vector_probe(folder)
     return folder
+
+
+def _vector_sets_by_flags() -> list[str] | None:
+    """The vector instruction sets inductor would use by the CPU's flags alone (x86 Linux)."""
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    from torch._inductor import cpu_vec_isa
+
+    flags = cpu_vec_isa.x86_isa_checker()
+    wanted = cpu_vec_isa.supported_vec_isa_list
+    return [str(isa) for isa in wanted if all(flag in flags for flag in str(isa).split())]
+
+
+def trust_vector_probe(folder: Path) -> None:
+    """Skip inductor's probe of the vector instruction sets when an earlier process here ran it
+    and it found every set the CPU's flags name.
+
+    The first graph a process loads makes inductor compile a test program per instruction set
+    and load each in a child Python (1-3 s on two cores), only to learn what the CPU's flags
+    already say when the compiler handles them all. The folder's key covers the CPU and torch,
+    so once a process here has run the probe (remember_vector_probe), later ones can skip it.
+    """
+    try:
+        found = json.loads((folder / VECTOR_PROBE).read_text())
+    except (OSError, ValueError):
+        return
+    if found == _vector_sets_by_flags():
+        torch._inductor.config.cpp.vec_isa_ok = True
+
+
+def remember_vector_probe() -> None:
+    """After a graph was built in our folder: keep what inductor's probe found, once."""
+    folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not folder or Path(folder).name != folder_name() or (Path(folder) / VECTOR_PROBE).exists():
+        return
+    if torch._inductor.config.cpp.vec_isa_ok is not None or _vector_sets_by_flags() is None:
+        return  # the probe did not run (or someone else decided); nothing learned
+    from torch._inductor import cpu_vec_isa
+
+    found = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
+    with contextlib.suppress(OSError):
+        _write_atomic(Path(folder) / VECTOR_PROBE, json.dumps(found))
 
 
 def _check_stamp(folder: Path) -> None:

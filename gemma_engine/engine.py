@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from torch._dynamo.utils import counters
 
-from . import compile_cache, cpu, parallel, quant
+from . import compile_cache, cpu, parallel, quant, saved_graphs
 from .chat_format import chat_ids
 from .config import GemmaConfig
 from .errors import InvalidRequestError
@@ -85,8 +85,13 @@ class Engine:
         self.quantization: tuple[str, int | None] | None = None  # (method, group size)
         self._source: Any = None  # the Checkpoint loaded, less its tensors (save_pretrained)
         self.speculator: Speculator | None = None  # speculative decoding (speculative.py)
+        self._saved: Path | None = None  # where whole graphs are saved (saved_graphs.py)
+        self._graphs: dict[tuple[int, int], Callable] = {}  # (batch, kv) -> its graph
+        self._heads: dict[tuple[int, ...], Callable] = {}  # hidden's shape -> the prompt head
         if compile:
-            compile_cache.use()  # graphs built here are found again by the next process
+            folder = compile_cache.use()  # graphs built here are found again by the next process
+            if folder is not None and self.device.type == "cpu" and model.tp is None:
+                self._saved = folder
             # One graph per (batch, kv) bucket pair: shapes and kv_len are static, so each new
             # pair compiles once. Dynamo counts graphs per code object, shared by every engine
             # in the process, so the limit grows by this engine's pairs.
@@ -100,7 +105,7 @@ class Engine:
                 model, mode="reduce-overhead", fullgraph=True, dynamic=False
             )
         self._head = model.logits
-        self._head_compiles = False  # True until a compiled head's first call
+        self._head_compiles = False  # True: a prompt's logits come from compiled graphs
         if compile and not isinstance(model.model.embed_tokens, torch.nn.Embedding):
             # A prompt's layers run eagerly (lengths vary, the matmuls are large), but its one
             # row of logits is a product with the whole output matrix, which eagerly would
@@ -246,36 +251,60 @@ class Engine:
         limit = max(Engine._graphs_allowed, 8)
         limits = dict(recompile_limit=limit, accumulated_recompile_limit=max(limit, 256))
         with cpu.compile_config(), torch._dynamo.config.patch(limits):
-            if (B, kv_len) in self.compile_seconds:
-                return self._compiled(tokens, input_pos, kv_len, rows)
+            graph = self._graphs.get((B, kv_len))
+            if graph is not None:
+                return graph(tokens, input_pos, kv_len, rows)
             what = f"the decode graph for {B} row{'s' * (B > 1)} and kv bucket {kv_len}"
             self._tell(f"compiling {what} (once per bucket; {_CACHE_NOTE})")
-            call = lambda: self._compiled(tokens, input_pos, kv_len, rows)  # noqa: E731
-            logits, self.compile_seconds[(B, kv_len)] = self._first_call(what, call)
+            args = (tokens, input_pos, kv_len, rows)
+            graph, logits, seconds = self._first_call(what, type(self.model).forward, args)
+            self._graphs[(B, kv_len)] = graph
+            self.compile_seconds[(B, kv_len)] = seconds
             return logits
 
-    def _first_call(self, what: str, call: Callable[[], Tensor]) -> tuple[Tensor, float]:
-        """The first call of a compiled graph, which builds it: (its result, seconds). Says
-        when it is ready and where it came from; if the compile cache gave a broken graph,
-        clears the cache and builds it again."""
+    def _first_call(
+        self, what: str, function: Callable, args: tuple
+    ) -> tuple[Callable, Tensor, float]:
+        """Get the graph of ``function(model, *args)`` and make its first call: (the graph, its
+        result, seconds). On a CPU the graph is loaded whole when saved, else traced, compiled
+        (or its code found in the compile cache) and saved; elsewhere torch.compile's graph
+        builds in its first call. Says when it is ready and where it came from; if the compile
+        cache gave a broken graph, clears the cache and builds it again."""
+
+        def make() -> tuple[Callable, bool]:  # (the graph, whether loaded whole)
+            if self._saved is not None:
+                if (got := saved_graphs.get(self._saved, self.model, function, args)) is not None:
+                    return got
+            return (self._compiled if function is type(self.model).forward else self._head), False
+
         hits = counters["inductor"]["fxgraph_cache_hit"]
         start = time.perf_counter()
         try:
             with compile_cache.watch_loads() as failures:
-                out = call()
+                graph, loaded = make()
+                out = graph(*args)
             if failures:
                 raise compile_cache.BrokenEntries(failures)
         except Exception as err:  # a cached graph that did not load, or does not run
             if not compile_cache.recover(err):
                 raise
             hits = counters["inductor"]["fxgraph_cache_hit"]
-            self.compile_seconds.clear()  # the process's graphs are gone: announce them again
-            out = call()  # a step is idempotent: it writes the same cache entries again
+            # The process's graphs are gone: announce them again.
+            self.compile_seconds.clear()
+            self._graphs.clear()
+            self._heads.clear()
+            graph, loaded = make()
+            out = graph(*args)  # a step is idempotent: it writes the same cache entries again
         seconds = time.perf_counter() - start
-        cached = counters["inductor"]["fxgraph_cache_hit"] > hits
-        source = "from the compile cache" if cached else "compiled"
+        compile_cache.remember_vector_probe()
+        if loaded:
+            source = "from the compile cache"
+        elif counters["inductor"]["fxgraph_cache_hit"] > hits:
+            source = "traced, its code from the compile cache"
+        else:
+            source = "compiled"
         self._tell(f"{what} is ready ({seconds:.1f} s, {source})")
-        return out, seconds
+        return graph, out, seconds
 
     def prefill(self, ids: list[int], start: int, row: int, all_positions: bool) -> Tensor:
         """Run one prompt chunk ``ids`` at positions ``start``... in cache row ``row`` (eager);
@@ -286,15 +315,19 @@ class Engine:
         end = start + len(ids)
         return self.model.hidden(tokens, pos, self.bucket_for(end), rows, all_positions)
 
+    @torch.no_grad()  # as step(): grad mode is part of a graph's guards
     def head(self, hidden: Tensor) -> Tensor:
         """Logits of the last prompt position (1, 1, vocab)."""
+        if not self._head_compiles:
+            return self._head(hidden)
         with cpu.compile_config():
-            if not self._head_compiles:
-                return self._head(hidden)
+            head = self._heads.get(tuple(hidden.shape))
+            if head is not None:
+                return head(hidden)
             what = "the output layer for prompts"
             self._tell(f"compiling {what} (once per process; {_CACHE_NOTE})")
-            logits, _ = self._first_call(what, lambda: self._head(hidden))
-            self._head_compiles = False
+            head, logits, _ = self._first_call(what, type(self.model).logits, (hidden,))
+            self._heads[tuple(hidden.shape)] = head
             return logits
 
     def precompile(self, kv_lens: list[int] | None = None, batch: int = 1) -> list[int]:

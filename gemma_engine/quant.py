@@ -354,7 +354,16 @@ class QuantizedLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.in_features, self.out_features, self.dtype = in_features, out_features, dtype
+        self.in_features, self.out_features = in_features, out_features
+        # The dtype's name, not the dtype: torch 2.13's saving of a compiled graph's guards
+        # (saved_graphs.py) marks the unread attributes of a module as missing by object
+        # identity, and dtypes are singletons, so an unread dtype attribute turned every
+        # tensor of that dtype in the saved guards into a "missing" value that does not load.
+        self._dtype_name = str(dtype).removeprefix("torch.")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(torch, self._dtype_name)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.lanes is not None and one_token_on_cpu_compiled(x):

@@ -16,9 +16,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
-from gemma_engine import compile_cache
+from gemma_engine import compile_cache, saved_graphs
 
 PROMPT = "The quick brown fox"
 OPTIONS = ["--max-new-tokens", "8", "--buckets", "16", "--max-seq-len", "16", "--max-batch", "1"]
@@ -39,11 +40,12 @@ def gemma_run(model: Path, cache: Path, *args: str, env: dict | None = None):
     return run
 
 
-def source_of_graph(stderr: str) -> str:
-    """'compiled' or 'from the compile cache', from the one ready notice of the graph."""
-    lines = [line for line in stderr.splitlines() if READY in line]
+def source_of_graph(stderr: str, ready: str = READY) -> str:
+    """Where the graph came from, from its one ready notice: 'compiled', 'from the compile
+    cache' (loaded whole) or 'traced, its code from the compile cache'."""
+    lines = [line for line in stderr.splitlines() if ready in line]
     assert len(lines) == 1, stderr
-    return lines[0].rsplit(", ", 1)[1].rstrip(")")
+    return lines[0].split(" s, ", 1)[1].rstrip(")")
 
 
 def warnings(stderr: str) -> list[str]:
@@ -85,6 +87,56 @@ def test_the_next_process_finds_the_graph_precompile_built(model, warm_cache, ea
     assert stamp["torch"] and stamp["capability"] and stamp["cpu"]
 
 
+def test_each_graph_is_saved_whole_and_built_again_without_its_file(
+    model, warm_cache, eager_text, tmp_path
+):
+    """--precompile saved the graph whole (saved_graphs.py); without that file, the next
+    process builds the graph again and saves it, and the one after loads it."""
+    cache = tmp_path / "cache"
+    shutil.copytree(warm_cache, cache)
+    graphs = cache_folder(cache) / saved_graphs.FOLDER
+    (saved,) = graphs.glob(f"forward-*{saved_graphs.SUFFIX}")
+    saved.unlink()
+    run = gemma_run(model, cache, "--prompt", PROMPT)
+    assert source_of_graph(run.stderr) != "from the compile cache"
+    assert saved.exists() and not warnings(run.stderr)
+    assert run.stdout == eager_text.stdout
+    again = gemma_run(model, cache, "--prompt", PROMPT)
+    assert source_of_graph(again.stderr) == "from the compile cache"
+    assert again.stdout == eager_text.stdout
+
+
+def test_a_quantized_prompt_head_is_saved_whole(model, tmp_path):
+    """The int8 output layer for prompts is a graph too; its saved guards must load (an
+    unread dtype attribute once made them unloadable: quant.QuantizedLinear.dtype)."""
+    cache = tmp_path / "cache"
+    head = "the output layer for prompts is ready"
+    first = gemma_run(model, cache, "--precompile", "--quantize", "int8")
+    assert source_of_graph(first.stderr, head) == "compiled" and not warnings(first.stderr)
+    run = gemma_run(model, cache, "--prompt", PROMPT, "--quantize", "int8")
+    assert source_of_graph(run.stderr, head) == "from the compile cache"
+    assert source_of_graph(run.stderr) == "from the compile cache"
+    assert not warnings(run.stderr)
+
+
+def test_a_graph_that_cannot_be_saved_whole_is_compiled_as_usual(tmp_path, monkeypatch, capsys):
+    """torch's ahead-of-time compile is experimental: where it fails, one warning, a marker
+    that spares later processes the attempt, and None (the engine then compiles as usual)."""
+    model = torch.nn.Linear(4, 4)
+
+    def fails(*args):
+        raise RuntimeError("not serializable")
+
+    monkeypatch.setattr(saved_graphs, "build", fails)
+    x = torch.ones(1, 4)
+    assert saved_graphs.get(tmp_path, model, torch.nn.Linear.forward, (x,)) is None
+    (warning,) = capsys.readouterr().err.splitlines()
+    assert "cannot be saved whole" in warning and "not serializable" in warning
+    (marker,) = (tmp_path / saved_graphs.FOLDER).glob("*.unsaved")
+    assert saved_graphs.get(tmp_path, model, torch.nn.Linear.forward, (x,)) is None
+    assert capsys.readouterr().err == ""  # tried once per machine, not once per process
+
+
 def test_other_weights_of_the_same_shapes_reuse_the_graph(model, warm_cache, tmp_path):
     """Weights are inputs of the graph, not constants in it."""
     other = tmp_path / "other"
@@ -114,11 +166,10 @@ def test_a_cache_made_for_another_torch_or_cpu_is_rebuilt(model, warm_cache, eag
 
 
 @pytest.mark.parametrize("which", ["every file", "shared objects"])
-def test_broken_cached_files_are_rebuilt_with_one_warning(
-    model, warm_cache, eager_text, tmp_path, which
-):
-    """Every cached file overwritten (torch finds its entries unreadable and builds them anew),
-    or only the compiled kernels (the graph's entry loads, its kernels do not)."""
+def test_broken_cached_files_are_rebuilt(model, warm_cache, eager_text, tmp_path, which):
+    """Every cached file overwritten (the saved graph does not load: the cache is cleared with
+    one warning and the graph built anew), or only the compiled kernels (the saved graph
+    loads, and torch builds its kernels again from the source it holds)."""
     cache = tmp_path / "cache"
     shutil.copytree(warm_cache, cache)
     broken = 0
@@ -129,11 +180,15 @@ def test_broken_cached_files_are_rebuilt_with_one_warning(
                 broken += 1
     assert broken
     run = gemma_run(model, cache, "--prompt", PROMPT)
-    (warning,) = warnings(run.stderr)
-    assert "could not be loaded" in warning and "the cache is cleared" in warning
     assert "Traceback" not in run.stderr
-    assert source_of_graph(run.stderr) == "compiled"
     assert run.stdout == eager_text.stdout
+    if which == "every file":  # the saved graph is unreadable: one warning, all built anew
+        (warning,) = warnings(run.stderr)
+        assert "could not be loaded" in warning and "the cache is cleared" in warning
+        assert source_of_graph(run.stderr) == "compiled"
+    else:  # the saved graph holds its kernels' source: torch compiles them again, quietly
+        assert not warnings(run.stderr)
+        assert source_of_graph(run.stderr) == "from the compile cache"
     again = gemma_run(model, cache, "--prompt", PROMPT)
     assert source_of_graph(again.stderr) == "from the compile cache" and not warnings(again.stderr)
     assert again.stdout == eager_text.stdout
@@ -173,3 +228,31 @@ def test_an_empty_folder_is_stamped_and_a_stampless_one_with_files_set_aside(tmp
     (warning,) = capsys.readouterr().err.splitlines()
     assert "has no readable stamp; it is cleared and rebuilt" in warning
     assert sorted(p.name for p in unknown.iterdir()) == [compile_cache.STAMP]
+
+
+def test_inductors_vector_probe_runs_once_per_folder(warm_cache, tmp_path):
+    """The first process that builds a graph keeps what inductor's probe of the vector
+    instruction sets found; later ones skip the probe when it found what the CPU's flags say,
+    and run it when the kept list differs."""
+    by_flags = compile_cache._vector_sets_by_flags()
+    probe = cache_folder(warm_cache) / compile_cache.VECTOR_PROBE
+    assert probe.exists() == (by_flags is not None)
+    code = (
+        "import torch\nfrom gemma_engine import compile_cache\ncompile_cache.use()\n"
+        "print(torch._inductor.config.cpp.vec_isa_ok)"
+    )
+
+    def trusted(cache: Path) -> str:
+        env = {**os.environ, "GEMMA_ENGINE_CACHE": str(cache)}
+        env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+        assert run.returncode == 0, run.stderr
+        return run.stdout.strip()
+
+    if by_flags is not None:
+        assert json.loads(probe.read_text()) == by_flags
+        assert trusted(warm_cache) == "True"
+        other = tmp_path / "cache"
+        shutil.copytree(warm_cache, other)
+        (cache_folder(other) / compile_cache.VECTOR_PROBE).write_text(json.dumps(by_flags[1:]))
+        assert trusted(other) == "None"  # a set failed its probe once: probe again

@@ -1,0 +1,135 @@
+"""Compiled graphs saved whole, so that a new process loads them without tracing the model.
+
+The compile cache (compile_cache.py) spares a second process inductor's work but not Dynamo's:
+a graph's first call still traces the model's Python before the cached code is found, 5-8 s
+per graph for the default model on two cores. torch's ahead-of-time compile
+(``torch.compile(...).aot_compile``, experimental in 2.13) keeps the traced graph, its guards
+and the generated code in one file, and loading that file skips the tracing (BENCHMARKS.md has
+the figures).
+
+A saved graph lives in the compile cache's folder (keyed by torch, CPU and Python), under a
+name that hashes what decides the traced graph: the engine's own source, the model's config,
+the names, shapes and dtypes of its parameters and buffers, the function, its arguments'
+shapes and values, and the thread count (inductor writes it into its loops). The weights are
+inputs of the graph, not constants in it, so another checkpoint of the same shapes loads the
+same file. Like inductor's own cache entries, the file is a pickle: it is only ever read from
+that folder, which this engine writes, never from a file a user or a request names.
+
+Used for CPU graphs in one process. CUDA (whose graphs need ``mode="reduce-overhead"``) and
+tensor parallelism (collectives inside the graph) keep torch.compile's usual path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import itertools
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+FOLDER = "graphs"  # inside the compile cache's folder
+SUFFIX = ".graph"
+
+
+@functools.cache
+def _source_digest() -> str:
+    """A digest of the engine's Python source: a change to it may change any traced graph."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def _describe(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return ["tensor", list(value.shape), list(value.stride()), str(value.dtype)]
+    if isinstance(value, (bool, int, float, str, type(None))):
+        return value
+    raise TypeError(f"a saved graph's argument must be a tensor or a plain value, not {value!r}")
+
+
+def file_name(model: torch.nn.Module, function: Callable, args: tuple) -> str:
+    """The name of the saved graph of ``function(model, *args)``."""
+    tensors = itertools.chain(model.named_parameters(), model.named_buffers())
+    key = {
+        "source": _source_digest(),
+        "config": repr(getattr(model, "config", None)),
+        "tensors": [[name, list(t.shape), str(t.dtype)] for name, t in tensors],
+        "function": function.__qualname__,
+        "args": [_describe(a) for a in args],
+        "threads": torch.get_num_threads(),
+        "march": str(torch._inductor.config.cpp.march),
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+    return f"{function.__name__}-{digest}{SUFFIX}"
+
+
+def load(path: Path) -> Callable | None:
+    """The graph saved at ``path``, or None when there is none. A file that does not load
+    raises BrokenGraph: the engine then clears the compile cache and builds it again."""
+    try:
+        with open(path, "rb") as f:
+            return torch.compiler.load_compiled_function(f)
+    except FileNotFoundError:
+        return None
+    except Exception as err:
+        raise BrokenGraph(f"{path.name}: {type(err).__name__}: {err}") from err
+
+
+class BrokenGraph(Exception):
+    """A saved graph that does not load (damaged, or written by other code)."""
+
+
+def build(model: torch.nn.Module, function: Callable, args: tuple) -> Callable:
+    """Trace and compile ``function(model, *args)`` ahead of time (one graph, these shapes)."""
+    with torch._dynamo.config.patch(enable_aot_compile=True):
+        compiled = torch.compile(function, fullgraph=True, dynamic=False)
+    return compiled.aot_compile(((model, *args), {}))
+
+
+def save(graph: Callable, path: Path) -> None:
+    """Write ``graph`` to ``path`` (through a temporary name in the same folder, then renamed:
+    torch's own writer does both)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    graph.save_compiled_function(str(path))
+
+
+def get(
+    folder: Path, model: torch.nn.Module, function: Callable, args: tuple
+) -> tuple[Callable, bool] | None:
+    """``function`` compiled for ``args`` and bound to ``model``, with whether it was loaded:
+    loaded from ``folder`` when saved there, else built, saved, and loaded back once to check
+    that it can be. None when this graph cannot be saved whole (torch's ahead-of-time compile
+    is experimental): the caller then compiles it as usual, and a marker file beside the
+    graph's name keeps later processes from trying again."""
+    path = folder / FOLDER / file_name(model, function, args)
+    marker = path.with_suffix(".unsaved")
+    if marker.exists():
+        return None
+    graph = load(path)
+    if graph is not None:
+        return functools.partial(graph, model), True
+    try:
+        graph = build(model, function, args)
+        save(graph, path)
+        load(path)  # what the next process will do
+    except Exception as err:
+        path.unlink(missing_ok=True)
+        reason = " ".join(f"{type(err).__name__}: {err}".split())[:240]
+        print(
+            f"gemma-engine: warning: {function.__qualname__} cannot be saved whole for later "
+            f"runs ({reason}); they will trace it again (seconds per graph)",
+            file=sys.stderr,
+        )
+        with contextlib.suppress(OSError):
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text(reason + "\n")
+        return None
+    return functools.partial(graph, model), False
