@@ -90,7 +90,8 @@ def root() -> Path:
     return Path(base) / "gemma-engine"
 
 
-def _warn(text: str) -> None:
+def warn(text: str) -> None:
+    """One warning line on stderr (the engine's warnings about its compiled graphs)."""
     print(f"gemma-engine: warning: {text}", file=sys.stderr)
 
 
@@ -108,7 +109,7 @@ def use() -> Path | None:
     try:
         _check_stamp(folder)
     except OSError as err:
-        _warn(f"cannot use {folder} for compiled graphs ({err.strerror or err}); using torch's")
+        warn(f"cannot use {folder} for compiled graphs ({err.strerror or err}); using torch's")
         cpu.isolate_compile_cache()
         return None
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
@@ -172,7 +173,7 @@ def _check_stamp(folder: Path) -> None:
             return
         if found is not None or any(not p.name.startswith(".") for p in folder.iterdir()):
             why = "has no readable stamp" if found is None else "was made for another torch or CPU"
-            _warn(f"the compiled-graph cache {folder} {why}; it is cleared and rebuilt")
+            warn(f"the compiled-graph cache {folder} {why}; it is cleared and rebuilt")
             _set_aside(folder)
     folder.mkdir(parents=True, exist_ok=True)
     _write_atomic(stamp, json.dumps(machine_key(), indent=1, sort_keys=True))
@@ -243,7 +244,7 @@ def recover(error: BaseException) -> bool:
         return False
     detail = str(error) if isinstance(error, BrokenEntries) else f"{type(error).__name__}: {error}"
     detail = " ".join(detail.split())[:240]
-    _warn(
+    warn(
         f"a compiled graph in {folder} could not be loaded ({detail}); the cache is cleared "
         "and the graph built again"
     )

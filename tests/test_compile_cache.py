@@ -1,9 +1,10 @@
 """The compile cache (compile_cache.py), through gemma-run in fresh processes.
 
-A process that builds a decode graph leaves it in the cache; the next process finds it there
-(and says so) instead of compiling; a cache made for another torch or CPU, or one whose files
-are broken, is cleared with one warning line and built again. In every case the text equals
-the eager engine's (itself checked against transformers in test_parity.py).
+A process that builds a decode graph leaves it in the cache, saved whole (saved_graphs.py); the
+next process loads it there (and says so) instead of compiling; a cache made for another torch
+or CPU, or an unreadable saved graph, is cleared with one warning line and built again, and
+broken kernels are rebuilt by torch. In every case the text equals the eager engine's (itself
+checked against transformers in test_parity.py).
 """
 
 from __future__ import annotations
