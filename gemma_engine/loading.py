@@ -367,7 +367,7 @@ def load(
     del ckpt.tensors  # the model holds what it needs
     if quantized is not None:
         if device.type == "cpu":
-            quant.to_kernel_layout(net)
+            quant.to_kernel_layout(net, net.output_layer())
         quant.warn_if_slow(quantized[0], device)
     if shard is not None:
         shard.attach(net)

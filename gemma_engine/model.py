@@ -470,10 +470,14 @@ class GemmaForCausalLM(nn.Module):
             x = AltUp.merge(x, model.altup_unembed_projections)  # (B, T, hidden)
         return model.norm(x if all_positions else x[:, -1:])
 
+    def output_layer(self) -> nn.Module:
+        """The matrix that maps hidden states to logits: the embedding when they are tied."""
+        return self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+
     def logits(self, x: Tensor) -> Tensor:
         """Normed hidden states (B, T, hidden) -> logits (B, T, vocab)."""
         cfg = self.config
-        head = self.model.embed_tokens if cfg.tie_word_embeddings else self.lm_head
+        head = self.output_layer()
         if isinstance(head, nn.Embedding):  # tied, float: 63% of Gemma 3 270M's weight bytes
             logits = linear(x, head.weight)  # (B, T, vocab)
         else:  # Linear, or a quantized matrix that picks its own kernel (quant.py)

@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import cpu
+from . import cpu, packed_int8
 from .errors import CheckpointError, InvalidRequestError
 from .layers import one_token_on_cpu_compiled, rows_on_cpu_compiled
 from .sparse_blocks import Experts
@@ -351,6 +351,7 @@ class QuantizedLinear(nn.Module):
     """Shared behaviour: the layout switch, saving in the plain layout, the prompt path."""
 
     lanes: int | None = None  # None: the saved layout; else rows blocked by this many lanes
+    packed: bool = False  # the saved layout, with a library's packed copy (packed_int8.py)
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -366,6 +367,8 @@ class QuantizedLinear(nn.Module):
         return getattr(torch, self._dtype_name)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.packed and x.device.type == "cpu" and x.shape[:-1].numel() <= packed_int8.MAX_ROWS:
+            return packed_int8.product(x, self.weight)
         if self.lanes is not None and one_token_on_cpu_compiled(x):
             return self.matvec(x)
         if self.lanes is not None and rows_on_cpu_compiled(x):
@@ -396,6 +399,11 @@ class Int8Linear(QuantizedLinear):
     def to_kernel_layout(self, lanes: int) -> None:
         self.weight = block_int8(self.weight, lanes)
         self.lanes = lanes
+
+    def pack(self) -> None:
+        """Keep the saved layout and attach a GEMM library's packed copy (packed_int8.py)."""
+        packed_int8.pack(self.weight, self.scale)
+        self.packed = True
 
     def saved_tensors(self) -> dict[str, Tensor]:
         q = self.weight if self.lanes is None else unblock_int8(self.weight, self.out_features)
@@ -492,9 +500,17 @@ def quantize_model(
         setattr(parent, name, new)
 
 
-def to_kernel_layout(model: nn.Module) -> None:
-    """Re-lay every quantized matrix for this process's decode kernels (see the top)."""
+def to_kernel_layout(model: nn.Module, output_layer: nn.Module | None = None) -> None:
+    """Re-lay every quantized matrix for this process's decode kernels (see the top).
+
+    The int8 ``output_layer``, where a GEMM library is fast on this capability, keeps its
+    layout and gets the library's packed copy instead (packed_int8.py).
+    """
     lanes = cpu.vector_lanes()
     for module in model.modules():
-        if isinstance(module, QuantizedLinear) and module.lanes is None:
+        if not isinstance(module, QuantizedLinear) or module.lanes is not None or module.packed:
+            continue
+        if module is output_layer and isinstance(module, Int8Linear) and packed_int8.backend():
+            module.pack()
+        else:
             module.to_kernel_layout(lanes)

@@ -170,7 +170,7 @@ class Int8Drafter:
         dtype = target.model.norm.weight.dtype
         quant.quantize_model(model, "int8", None, dtype)  # new int8 matrices, norms shared
         if engine.device.type == "cpu":
-            quant.to_kernel_layout(model)
+            quant.to_kernel_layout(model, model.output_layer())
         model.setup_cache(engine.max_seq_len, 1, engine.prefill_chunk)
         self.engine = Engine(
             model.eval().requires_grad_(False),

@@ -314,7 +314,7 @@ def wait_for_quiet(max_wait: float, threshold: float = 0.2, probe: float = 3.0) 
 # How a benchmark on an AVX-512 machine takes the code paths of an AVX2-only one (AMD Zen 2/3,
 # many cloud VMs): ATen's kernels and inductor's vectors by ATEN_CPU_CAPABILITY, GCC's own code
 # by -march=znver3 (what -march=native means on Zen 3: no AVX-512 instruction anywhere, Zen 3
-# tuning), MKL and oneDNN by their ISA caps, and an inductor cache of its own (see
+# tuning), MKL, oneDNN and fbgemm by their ISA caps, and an inductor cache of its own (see
 # gemma_engine/cpu.py). Memory bandwidth stays this machine's.
 LOWERED_ENV = {
     "avx2": {
@@ -322,6 +322,7 @@ LOWERED_ENV = {
         "TORCHINDUCTOR_CPP_MARCH": "znver3",
         "MKL_ENABLE_INSTRUCTIONS": "AVX2",
         "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2",
     }
 }
 LOWERED_ENV_KEYS = sorted({k for env in LOWERED_ENV.values() for k in env})

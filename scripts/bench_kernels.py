@@ -32,7 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _benchutil as bu  # noqa: E402
 
-from gemma_engine import cpu, layers, quant  # noqa: E402
+from gemma_engine import cpu, layers, packed_int8, quant  # noqa: E402
 
 
 def median_ms(fn, *args, repeats: int) -> float:
@@ -78,7 +78,7 @@ def one_row(args, fused, x, w, q8, s8, q4, lanes, words8, blocked4) -> list:
         ),
         ("int8, compiled, row-major bytes (before)", "int8", fused(rowmajor_int8), (x, q8, s8)),
         (
-            f"int8, compiled, int32 words blocked by {lanes} rows (the engine)",
+            f"int8, compiled, int32 words blocked by {lanes} rows (the engine's layers)",
             "int8",
             fused(quant.matvec_int8),
             (x, words8, s8),
@@ -171,6 +171,24 @@ def contracted(args, fused, x, w, q8, s8, lanes, words8) -> list:
     ]
 
 
+def library_rows(x, q8, s8) -> list:
+    """The int8 output layer's path where a GEMM library serves the capability
+    (gemma_engine/packed_int8.py): each library's integer GEMM on 7-bit activation rows."""
+    rows = []
+    engine = packed_int8.backend()
+    for library in ("onednn", "fbgemm"):
+        if library not in torch.backends.quantized.supported_engines:
+            continue
+        q = q8.clone()  # each library's packed copy rides on its own tensor
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # fbgemm packing's quantized-tensor notice
+            packed_int8.pack(q, s8, library)
+        mark = " (the engine's output layer)" if library == engine else ""
+        label = f"int8, {library} integer GEMM on {packed_int8.ROWS} 7-bit rows{mark}"
+        rows.append((label, "int8", packed_int8.product, (x, q)))
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--capability", choices=["native", "avx2"], default="native")
@@ -212,6 +230,7 @@ def main() -> None:
     if args.contract:
         rows += contracted(args, fused, x, w, q8, s8, lanes, words8)
 
+    rows += library_rows(x, q8, s8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # quantize_dynamic's deprecation notice
         linear = torch.nn.Linear(k, n, bias=False)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gemma_engine import Engine, InvalidRequestError, cpu, quant
+from gemma_engine import Engine, InvalidRequestError, cpu, packed_int8, quant
 from gemma_engine.cli import main as cli_main
 
 KIND = "gemma3"  # MQA, QK-norm, sliding and global layers
@@ -227,12 +227,59 @@ def test_cli_quantize(tiny_checkpoints, capsys):
 
 
 def test_kernel_layout_follows_the_capability(quantized):
-    """Quantized matrices are blocked by the vector width of the capability in effect."""
+    """Quantized matrices are blocked by the vector width of the capability in effect; the
+    int8 output layer is packed for the GEMM library of that capability instead."""
     expected = os.environ.get("GEMMA_TEST_CAPABILITY", cpu.capability())
     assert cpu.capability() == expected  # a lowered run really runs lowered
-    engine, _ = quantized["int8"]
-    lanes = {m.lanes for m in engine.model.modules() if isinstance(m, quant.QuantizedLinear)}
-    assert lanes == {cpu.vector_lanes()} == {16 if expected == "AVX512" else 8}
+    library = {"AVX512": "onednn", "AVX2": "fbgemm"}.get(expected)
+    assert packed_int8.backend() == library
+    for method in ("int8", "int4"):
+        model = quantized[method][0].model
+        head = model.output_layer()
+        assert isinstance(head, quant.Int8Linear)  # int8 under int4 too
+        assert head.packed == (library is not None)
+        if library is not None:
+            assert head.lanes is None and head.weight._gemma_packed[0] == library
+        blocked = {m for m in model.modules() if isinstance(m, quant.QuantizedLinear)} - {head}
+        lanes = {m.lanes for m in blocked}
+        assert lanes == {cpu.vector_lanes()} == {16 if expected == "AVX512" else 8}
+        if library is None:
+            assert head.lanes == cpu.vector_lanes()
+
+
+@pytest.mark.parametrize("library", ["onednn", "fbgemm"])
+def test_packed_int8_product_matches_the_dequantized_product(library):
+    """The libraries' integer GEMM on activations split into 7-bit rows (packed_int8.py),
+    against the product with expanded weights: eager, compiled, one row and a batch."""
+    if library not in torch.backends.quantized.supported_engines:
+        pytest.fail(f"this torch build has no {library}: the engine's int8 head needs it")
+    torch.manual_seed(0)
+    w = torch.randn(300, 256)
+    q, scale = quant.quantize_int8(w)
+    packed_int8.pack(q, scale, library)
+    x = torch.randn(5, 256)
+    x[1, 7] *= 300  # an outlier: the other entries of its row keep their precision
+    x[2] = 0  # an all-zero row
+    x[3] *= 1e-20  # a tiny one
+    expect = x @ quant.dequantize_int8(q, scale, torch.float32).T
+    got = packed_int8.product(x, q)
+    torch.testing.assert_close(got, expect, atol=1e-4, rtol=1e-5)
+    assert got[2].eq(0).all()
+    torch.testing.assert_close(got[3] * 1e20, expect[3] * 1e20, atol=1e-4, rtol=1e-5)
+    # Each row is computed as on its own, bit for bit, eager or compiled (batched decode).
+    solo = torch.cat([packed_int8.product(x[i : i + 1], q) for i in range(len(x))])
+    assert torch.equal(got, solo)
+    compiled = torch.compile(packed_int8.product, fullgraph=True, dynamic=False)
+    assert torch.equal(compiled(x[None, :, None], q), got[None, :, None])
+    # bf16 activations in, bf16 out
+    half = packed_int8.product(x.bfloat16(), q)
+    assert half.dtype == torch.bfloat16
+
+
+def test_packed_int8_product_needs_a_packed_copy():
+    q, scale = quant.quantize_int8(torch.randn(8, 32))
+    with pytest.raises(RuntimeError, match="no packed copy"):
+        packed_int8.product(torch.randn(1, 32), q)
 
 
 def test_under_a_lower_capability(tmp_path):
@@ -253,6 +300,8 @@ def test_under_a_lower_capability(tmp_path):
     )
     if lower == "AVX2":  # AVX2 code only, as GCC emits it on Zen 3 (-march=native there)
         env["TORCHINDUCTOR_CPP_MARCH"] = "znver3"
+        env["ONEDNN_MAX_CPU_ISA"] = "AVX2"  # and the GEMM libraries' own ISA caps
+        env["FBGEMM_ENABLE_INSTRUCTIONS"] = "AVX2"
         env["TORCHINDUCTOR_CACHE_DIR"] += "_znver3"
     this = Path(__file__)
     result = subprocess.run(
