@@ -16,10 +16,10 @@ from .config import GemmaConfig
 
 
 def one_token_on_cpu_compiled(x: Tensor) -> bool:
-    """A decode step of one sequence on CPU inside a compiled graph, where matrix-vector
-    products are fused multiply-reduces: inductor streams a weight matrix through them 1.3-4x
-    faster than MKL's GEMV does (BENCHMARKS.md), and a quantized matrix is expanded in the same
-    pass. A batch of B > 1 rows takes the GEMM: one read of the weights serves every row."""
+    """A decode step of one sequence on CPU inside a compiled graph, where the layers'
+    matrix-vector products are fused multiply-reduces: inductor streamed a layer's matrix
+    through them 1.3-4x faster than MKL's GEMV (BENCHMARKS.md), and a quantized matrix is
+    expanded in the same pass (the output layer is the exception: see model.logits)."""
     return x.shape[:-1].numel() == 1 and x.device.type == "cpu" and torch.compiler.is_compiling()
 
 
@@ -43,17 +43,28 @@ def decode_on_cpu_compiled(x: Tensor) -> bool:
     return x.shape[-2] == 1 and x.device.type == "cpu" and torch.compiler.is_compiling()
 
 
+def materialized(x: Tensor) -> Tensor:
+    """``x``, written to a buffer of its own inside a compiled graph.
+
+    A fused multiply-reduce reads its input once per output row. Left to itself, inductor
+    inlines whatever computed that input (a norm, attention's softmax for o_proj) into the
+    reduction and computes it again for every row: for a decode step of Gemma 3 270M that was
+    the RMSNorm's scaling, six operations per weight element, recomputed in every projection.
+    A strided view (a no-op outside the graph) makes inductor store the input first.
+    """
+    x = x.contiguous()
+    return x.as_strided(x.shape, x.stride())
+
+
 def linear(x: Tensor, weight: Tensor) -> Tensor:
     """x @ weight.T, as a fused multiply-reduce for decode steps in a compiled CPU graph."""
     if one_token_on_cpu_compiled(x):
+        x = materialized(x)
         return (x.unsqueeze(-2) * weight).sum(-1)  # (..., 1, K) * (N, K) -> (..., N)
     if BATCHED_FUSED and rows_on_cpu_compiled(x):
-        rows = x.reshape(-1, x.shape[-1]).contiguous()  # (R, K)
-        # as_strided makes inductor write the rows to a buffer first. Otherwise it inlines
-        # whatever computed them (a norm, or attention's softmax for o_proj) into the
-        # reduction and computes it again for every output row: the default model's B=2
-        # step took 1.78 s instead of 49 ms.
-        rows = rows.as_strided(rows.shape, (rows.shape[1], 1))
+        # Inlined into the reduction, the rows' norm made the default model's B=2 step take
+        # 1.78 s instead of 49 ms (see materialized).
+        rows = materialized(x.reshape(-1, x.shape[-1]))  # (R, K)
         out = (weight[:, None, :] * rows[None]).sum(-1)  # (N, 1, K) * (1, R, K) -> (N, R)
         return out.T.reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight)

@@ -50,7 +50,7 @@ from torch import Tensor, nn
 
 from . import cpu, packed_int8
 from .errors import CheckpointError, InvalidRequestError
-from .layers import one_token_on_cpu_compiled, rows_on_cpu_compiled
+from .layers import materialized, one_token_on_cpu_compiled, rows_on_cpu_compiled
 from .sparse_blocks import Experts
 
 METHODS = ("none", "int8", "int4")
@@ -370,15 +370,12 @@ class QuantizedLinear(nn.Module):
         if self.packed and x.device.type == "cpu" and x.shape[:-1].numel() <= packed_int8.MAX_ROWS:
             return packed_int8.product(x, self.weight)
         if self.lanes is not None and one_token_on_cpu_compiled(x):
-            return self.matvec(x)
+            return self.matvec(materialized(x))
         if self.lanes is not None and rows_on_cpu_compiled(x):
             # A batched decode step: the one-token kernel per row, which inductor fuses over
             # the rows (B = 8 measured ~1.3x one row's time, against ~12x for expanding the
             # matrix and a GEMM); each row's arithmetic is exactly its solo step's.
-            rows = x.reshape(-1, x.shape[-1]).contiguous()
-            # Written to a buffer first, as in layers.linear: otherwise inductor inlines what
-            # computed the rows into every row's reduction.
-            rows = rows.as_strided(rows.shape, (rows.shape[1], 1))
+            rows = materialized(x.reshape(-1, x.shape[-1]))  # see layers.materialized
             out = torch.stack([self.matvec(rows[i]) for i in range(rows.shape[0])])
             return out.view(*x.shape[:-1], -1)
         dtype = _prompt_dtype(x)
