@@ -27,7 +27,7 @@ weights: $(STAMP)
 
 # Build the default model's first decode graphs now, once (a minute or two), so that a first run
 # decodes at full speed from its first tokens instead of pausing to compile.
-$(PRECOMPILED): $(STAMP) | weights
+$(PRECOMPILED): $(STAMP) $(wildcard gemma_engine/*.py) | weights
 	$(BIN)/gemma-run --precompile
 	touch $@
 
