@@ -4,8 +4,9 @@ Inductor's int8 kernels (quant.matvec_int8) widen every weight byte to a float i
 registers before multiplying: on the project's AVX-512 VM the 262,144 x 640 output layer of
 Gemma 3 270M streamed at 48% of read bandwidth that way (a hand-written four-accumulator FMA
 loop reached 61%), about half of an int8 decode step. oneDNN and fbgemm multiply bytes with
-integer dot-product instructions (VNNI/AMX, AVX2's vpmaddubsw) and stream the same matrix at
-86-104% (scripts/bench_kernels.py). One library call per step costs ~20 us of dispatch, so
+integer dot-product instructions (VNNI/AMX, AVX2's vpmaddubsw): with the four activation rows
+below, 8.6 against 13.2 ms per token under AVX-512 (70% of bandwidth) and 12.7 against 20.6 ms
+under AVX2 (scripts/bench_kernels.py). One library call per step costs ~20 us of dispatch, so
 only the output layer takes this path; the layers' small matrices stay in the graph, where
 the same call per layer measured slower end to end (BENCHMARKS.md, issue #14).
 
@@ -46,9 +47,9 @@ MAX_ROWS = 8  # activation rows per call; more (a prompt) take the dequantized G
 def backend() -> str | None:
     """The library for this process's CPU capability, or None where neither is fast.
 
-    oneDNN under AVX-512 (VNNI or AMX where present; its AVX2 int8 GEMM took 37 ms for the
-    output layer against fbgemm's 10 ms), fbgemm under AVX2. The capability, not the CPU, so
-    that a process lowered to AVX2 takes the AVX2 machine's path.
+    oneDNN under AVX-512 (VNNI or AMX where present; 8.6 ms for the output layer against
+    fbgemm's 9.9 ms), fbgemm under AVX2 (12.7 ms against oneDNN's 74 ms). The capability, not
+    the CPU, so that a process lowered to AVX2 takes the AVX2 machine's path.
     """
     engines = torch.backends.quantized.supported_engines
     capability = cpu.capability()
@@ -92,10 +93,6 @@ def pack(weight: Tensor, scale: Tensor, library: str | None = None) -> None:
         weight._gemma_packed = ("fbgemm", packed)
     else:
         raise ValueError(f"no int8 GEMM library {library!r}")
-
-
-def is_packed(weight: Tensor) -> bool:
-    return hasattr(weight, "_gemma_packed")
 
 
 @torch.library.custom_op("gemma_engine::packed_int8_product", mutates_args=())
