@@ -75,12 +75,11 @@ def pack(weight: Tensor, scale: Tensor, library: str | None = None) -> None:
     """Attach the library's packed copy of ``weight`` (int8 (N, K), fp32 scales (N,))."""
     library = library or backend()
     n, k = weight.shape
+    zeros = torch.zeros(n, dtype=torch.long)  # the weights' zero points: symmetric int8
     if library == "onednn":
         packed = torch.ops.onednn.qlinear_prepack(weight, [1, k])
-        zeros = torch.zeros(n, dtype=torch.long)
         weight._gemma_packed = ("onednn", packed, scale.float(), zeros)
     elif library == "fbgemm":
-        zeros = torch.zeros(n, dtype=torch.long)
         with warnings.catch_warnings():  # torch 2.13 marks quantized tensors deprecated
             warnings.simplefilter("ignore", UserWarning)
             q = torch._make_per_channel_quantized_tensor(weight, scale.double(), zeros, 0)
