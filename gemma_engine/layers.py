@@ -37,12 +37,6 @@ def rows_on_cpu_compiled(x: Tensor) -> bool:
 BATCHED_FUSED = True
 
 
-def decode_on_cpu_compiled(x: Tensor) -> bool:
-    """One new token per batch row (x: (..., B, 1, hidden)), on CPU inside a compiled graph:
-    attention's products, which are per row anyway, stay fused reductions at any batch size."""
-    return x.shape[-2] == 1 and x.device.type == "cpu" and torch.compiler.is_compiling()
-
-
 def materialized(x: Tensor) -> Tensor:
     """``x``, written to a buffer of its own inside a compiled graph.
 
@@ -68,19 +62,6 @@ def linear(x: Tensor, weight: Tensor) -> Tensor:
         out = (weight[:, None, :] * rows[None]).sum(-1)  # (N, 1, K) * (1, R, K) -> (N, R)
         return out.T.reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight)
-
-
-def matmul(a: Tensor, b: Tensor, fused: bool) -> Tensor:
-    """a (..., M, K) @ b (..., K, N); ``fused``: as one multiply-reduce inside the graph.
-
-    A decode step's attention products are tiny batched matrix products (a few query rows
-    against one head's keys), for which a ``bmm`` call costs more in dispatch than in
-    arithmetic (4.6 ms of a 20 ms step, BENCHMARKS.md); inductor fuses the reduction form
-    with the mask and the softmax around it.
-    """
-    if fused:
-        return (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2)  # (..., M, K, 1) * (..., 1, K, N)
-    return torch.matmul(a, b)
 
 
 def batched_linear(x: Tensor, weight: Tensor) -> Tensor:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import AttentionType, GemmaConfig, RopeConfig
-from .layers import Linear, RMSNorm, decode_on_cpu_compiled, linear, lookup, matmul
+from .layers import Linear, RMSNorm, linear, lookup
 from .sparse_blocks import AltUp, Experts, Laurel, Router, gaussian_top_k
 
 
@@ -190,15 +190,18 @@ class Attention(nn.Module):
         # Grouped heads share a key head: fold the group into the query length, no repeat.
         group = self.n_heads // self.n_kv
         q = q.reshape(B, self.n_kv, group * T, self.head_dim)  # (B, KV, G*T, D)
-        fused = decode_on_cpu_compiled(x)  # products as fused reductions, as in linear()
-        scores = matmul(q, keys.transpose(2, 3), fused) * self.scaling  # (B, KV, G*T, S)
+        # Library products (bmm), not fused multiply-reduces: over the cache those streamed
+        # 8-10 GB/s against bmm's 17, and the default model's int8 step without its weight
+        # products took 15.9 ms at context 4096 with them, 6.9 ms with bmm (the gather's copy
+        # of keys and values that bmm needs included; BENCHMARKS.md).
+        scores = torch.matmul(q, keys.transpose(2, 3)) * self.scaling  # (B, KV, G*T, S)
         if (cap := self.config.attn_logit_softcapping) is not None:
             scores = torch.tanh(scores / cap) * cap  # Gemma 2 caps before masking
         scores = scores.view(B, self.n_kv, group, T, -1)
         scores = scores.masked_fill(~mask[:, :, None], float("-inf"))  # mask: (B, 1, 1, T, S)
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         probs = probs.view(B, self.n_kv, group * T, -1)
-        out = matmul(probs, values, fused)  # (B, KV, G*T, D)
+        out = torch.matmul(probs, values)  # (B, KV, G*T, D)
         out = out.view(B, self.n_heads, T, self.head_dim).transpose(1, 2)  # (B, T, H, D)
         return self.o_proj(out.reshape(B, T, self.n_heads * self.head_dim))
 
