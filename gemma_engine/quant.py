@@ -19,7 +19,9 @@ float vector has, so each step loads 8 bytes into a 32-byte AVX2 register, which
 ``Vectorized<int8_t>::loadu`` does through a temporary buffer and a store-forwarding stall
 (AVX-512 has masked loads instead): 4-15x slower than fp32 on AVX2 (BENCHMARKS.md). A full
 int32 load, bytes taken apart with native 32-bit shifts, and one activation broadcast against
-L output rows, vectorizes on both kinds, with no horizontal sums per row.
+L output rows, vectorizes on both kinds, with no horizontal sums per row. Under AVX-512 the
+int8 blocks keep plain bytes, (N/L, K, L): 16 bytes are one masked load there, widened by one
+instruction, fewer than the shifts that take a word apart (``int8_words``).
 
 Decode on CPU runs these products inside the compiled graph. A prompt of many tokens expands
 each weight once per call and runs a dense matmul, which amortises the expansion over the
@@ -196,18 +198,31 @@ def dequantize_int8(q: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     return (q.float() * scale[:, None]).to(dtype)
 
 
-def block_int8(q: Tensor, lanes: int) -> Tensor:
-    """int8 (N, K) -> int32 words (ceil(N/L), K/4, L): the kernel layout; padded rows are 0."""
+def int8_words() -> bool:
+    """Whether this capability's int8 kernel layout packs four bytes per int32 word.
+
+    AVX-512 loads 16 int8 bytes with a masked load and widens them with one instruction
+    (vpmovsxbd), so there the blocks keep plain bytes: a decode step's layer products ran
+    1.2 ms faster than with words (21.0 -> 19.8 ms, BENCHMARKS.md). Under AVX2 a load of 8
+    bytes goes through a temporary buffer (see the top), 3-4x slower than words.
+    """
+    return cpu.capability() != "AVX512"
+
+
+def block_int8(q: Tensor, lanes: int, words: bool = True) -> Tensor:
+    """int8 (N, K) -> the kernel layout (ceil(N/L), K', L), padded rows 0: int32 words
+    (K' = K/4, bytes in memory order) or, with ``words=False``, the int8 bytes (K' = K)."""
     n, k = q.shape
-    q = F.pad(q, (0, 0, 0, -n % lanes))
-    words = q.contiguous().view(torch.int32)  # (N', K/4), bytes in memory order
-    return words.view(-1, lanes, k // 4).transpose(1, 2).contiguous()
+    q = F.pad(q, (0, 0, 0, -n % lanes)).contiguous()  # (N', K)
+    if words:
+        q = q.view(torch.int32)  # (N', K/4)
+    return q.view(-1, lanes, q.shape[1]).transpose(1, 2).contiguous()
 
 
-def unblock_int8(words: Tensor, n: int) -> Tensor:
+def unblock_int8(blocks: Tensor, n: int) -> Tensor:
     """The inverse of ``block_int8``: int8 (N, K)."""
-    nb, kw, lanes = words.shape
-    rows = words.transpose(1, 2).reshape(nb * lanes, kw)[:n]
+    nb, kw, lanes = blocks.shape
+    rows = blocks.transpose(1, 2).reshape(nb * lanes, kw)[:n]
     return rows.contiguous().view(torch.int8)
 
 
@@ -216,15 +231,19 @@ def _byte(words: Tensor, j: int) -> Tensor:
     return words >> 24 if j == 3 else (words << (24 - 8 * j)) >> 24
 
 
-def matvec_int8(x: Tensor, words: Tensor, scale: Tensor) -> Tensor:
-    """x (..., K) @ W.T for one token, W in the kernel layout: one pass over the words.
+def matvec_int8(x: Tensor, blocks: Tensor, scale: Tensor) -> Tensor:
+    """x (..., K) @ W.T for one token, W in the kernel layout: one pass over the blocks.
 
-    For each word column c the four activations x[4c + j] are broadcast against L rows at
-    once, so the reduction runs down the columns with no horizontal sums.
+    For each column the activation is broadcast against L rows at once, so the reduction
+    runs down the columns with no horizontal sums. Words hold four columns: activations
+    x[4c + j] meet byte j of word c.
     """
-    nb, kw, lanes = words.shape
-    x4 = x.reshape(kw, 4).float()
-    acc = sum((x4[:, j, None] * _byte(words, j).float()).sum(1) for j in range(4))  # (nb, L)
+    nb, kw, lanes = blocks.shape
+    if blocks.dtype == torch.int8:
+        acc = (x.reshape(kw, 1).float() * blocks.float()).sum(1)  # (nb, L)
+    else:
+        x4 = x.reshape(kw, 4).float()
+        acc = sum((x4[:, j, None] * _byte(blocks, j).float()).sum(1) for j in range(4))
     n = scale.shape[0]
     out = acc.reshape(nb * lanes)[:n] * scale
     return out.to(x.dtype).view(*x.shape[:-1], n)
@@ -394,7 +413,7 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("scale", torch.empty(out_features))
 
     def to_kernel_layout(self, lanes: int) -> None:
-        self.weight = block_int8(self.weight, lanes)
+        self.weight = block_int8(self.weight, lanes, words=int8_words())
         self.lanes = lanes
 
     def pack(self) -> None:
@@ -417,9 +436,9 @@ class Int8Linear(QuantizedLinear):
         """Rows of the matrix for ``tokens``: the lookup of a quantized embedding."""
         if self.lanes is None:
             rows = self.weight[tokens]  # (..., K)
-        else:  # row t is column t % L of block t // L
-            words = self.weight[tokens // self.lanes, :, tokens % self.lanes]  # (..., K/4)
-            rows = words.contiguous().view(torch.int8)
+        else:  # row t is column t % L of block t // L (words or bytes)
+            cols = self.weight[tokens // self.lanes, :, tokens % self.lanes]  # (..., K')
+            rows = cols.contiguous().view(torch.int8)
         return (rows.float() * self.scale[tokens][..., None]).to(self.dtype)
 
 

@@ -72,9 +72,10 @@ def test_int8_round_trip_error_is_at_most_half_a_step():
     assert ((back - w).abs() <= 0.5 * scale[:, None] * (1 + 1e-5)).all()
 
 
+@pytest.mark.parametrize("words", [True, False])  # int8 blocks of int32 words or of bytes
 @pytest.mark.parametrize("lanes", [8, 16])
 @pytest.mark.parametrize("rows", [300, 64])  # 300: a last block of padded rows
-def test_compiled_matvecs_match_the_dequantized_product(lanes, rows):
+def test_compiled_matvecs_match_the_dequantized_product(lanes, rows, words):
     """The decode kernels on the kernel layout, against the product with expanded weights."""
     torch.manual_seed(0)
     w, x = torch.randn(rows, 256), torch.randn(1, 1, 256)
@@ -82,7 +83,8 @@ def test_compiled_matvecs_match_the_dequantized_product(lanes, rows):
     q4 = quant.quantize_int4(w, 32)
     expect8 = x @ quant.dequantize_int8(*q8, torch.float32).T
     expect4 = x @ quant.dequantize_int4(*q4, torch.float32).T
-    words8 = quant.block_int8(q8[0], lanes)
+    words8 = quant.block_int8(q8[0], lanes, words)
+    assert words8.dtype == (torch.int32 if words else torch.int8)
     blocked4 = quant.block_int4(*q4, lanes)
     got8 = torch.compile(quant.matvec_int8, fullgraph=True)(x, words8, q8[1])
     got4 = torch.compile(quant.matvec_int4, fullgraph=True)(x, *blocked4, rows)
@@ -243,6 +245,10 @@ def test_kernel_layout_follows_the_capability(quantized):
         blocked = {m for m in model.modules() if isinstance(m, quant.QuantizedLinear)} - {head}
         lanes = {m.lanes for m in blocked}
         assert lanes == {cpu.vector_lanes()} == {16 if expected == "AVX512" else 8}
+        # int8 blocks hold bytes under AVX-512, int32 words elsewhere (quant.int8_words)
+        if method == "int8":
+            int8 = {m.weight.dtype for m in blocked}
+            assert int8 == {torch.int8 if expected == "AVX512" else torch.int32}
         if library is None:
             assert head.lanes == cpu.vector_lanes()
 
