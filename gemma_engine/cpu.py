@@ -58,19 +58,27 @@ def _gcc_12_or_newer() -> bool:
 
 
 def compile_config() -> contextlib.AbstractContextManager:
-    """Inductor settings for the engine's graphs, entered around every compiled call.
+    """Inductor settings for the engine's graphs, entered around every compiled call (they
+    change only these graphs, and saved_graphs.py keys on them).
 
-    Under AVX2, ATen's ``Vectorized<int32_t>::loadu(ptr, count)`` (which inductor emits for
-    every integer load) copies through a 32-byte stack buffer. GCC removes that buffer only
-    if it expands the copy as one 256-bit move; its default tuning for AVX2 CPUs moves 128
-    bits at a time, and the two half stores then stall the full load (store forwarding
-    fails): the quantized decode kernels ran 3-4x slower (BENCHMARKS.md). ``-mmove-max=256``
-    (GCC 12+) lets it use whole vectors. Entered per call, it changes only these graphs.
+    - Floating-point contraction: inductor compiles its C++ with ``-ffp-contract=off`` so that
+      a graph rounds as eager does, which leaves every multiply-accumulate of the decode
+      products a multiply and an add. Fused (one rounding instead of two, so no less
+      accurate), an int8 decode step took 0.55 ms less (20.07 -> 19.52 ms, BENCHMARKS.md).
+    - Under AVX2, ATen's ``Vectorized<int32_t>::loadu(ptr, count)`` (which inductor emits for
+      every integer load) copies through a 32-byte stack buffer. GCC removes that buffer only
+      if it expands the copy as one 256-bit move; its default tuning for AVX2 CPUs moves 128
+      bits at a time, and the two half stores then stall the full load (store forwarding
+      fails): the quantized decode kernels ran 3-4x slower (BENCHMARKS.md). ``-mmove-max=256``
+      (GCC 12+) lets it use whole vectors.
     """
     cfg = torch._inductor.config.cpp
-    if capability() != "AVX2" or platform.machine() not in ("x86_64", "AMD64"):
-        return contextlib.nullcontext()
-    if "move-max" in (cfg.march or "") or not _gcc_12_or_newer():
-        return contextlib.nullcontext()
-    march = f"{cfg.march or 'native'} -mmove-max=256 -mstore-max=256"
-    return torch._inductor.config.patch({"cpp.march": march})
+    settings = {"cpp.enable_floating_point_contract_flag": "fast"}
+    if (
+        capability() == "AVX2"
+        and platform.machine() in ("x86_64", "AMD64")
+        and "move-max" not in (cfg.march or "")
+        and _gcc_12_or_newer()
+    ):
+        settings["cpp.march"] = f"{cfg.march or 'native'} -mmove-max=256 -mstore-max=256"
+    return torch._inductor.config.patch(settings)

@@ -67,6 +67,7 @@ def file_name(model: torch.nn.Module, function: Callable, args: tuple) -> str:
         "args": [_describe(a) for a in args],
         "threads": torch.get_num_threads(),
         "march": str(torch._inductor.config.cpp.march),
+        "contract": torch._inductor.config.cpp.enable_floating_point_contract_flag,
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
     return f"{function.__name__}-{digest}{SUFFIX}"
