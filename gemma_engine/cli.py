@@ -52,7 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-batch",
         type=int,
-        help="sequences the cache holds at once (default: 4, fewer if they do not fit)",
+        default=1,
+        help="sequences the cache holds at once (default: 1, the one prompt gemma-run decodes)",
     )
     p.add_argument(
         "--buckets",
