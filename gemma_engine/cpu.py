@@ -61,10 +61,12 @@ def compile_config() -> contextlib.AbstractContextManager:
     """Inductor settings for the engine's graphs, entered around every compiled call (they
     change only these graphs, and saved_graphs.py keys on them).
 
-    - Floating-point contraction: inductor compiles its C++ with ``-ffp-contract=off`` so that
-      a graph rounds as eager does, which leaves every multiply-accumulate of the decode
-      products a multiply and an add. Fused (one rounding instead of two, so no less
-      accurate), an int8 decode step took 0.55 ms less (20.07 -> 19.52 ms, BENCHMARKS.md).
+    - Floating-point contraction under AVX-512: inductor compiles its C++ with
+      ``-ffp-contract=off`` so that a graph rounds as eager does, which leaves every
+      multiply-accumulate of the decode products a multiply and an add. Fused (one rounding
+      instead of two, so no less accurate), an int8 decode step took 0.55 ms less there
+      (20.07 -> 19.52 ms) but 1.9 ms more under AVX2 (31.05 -> 32.93 ms: the accumulators of
+      the word kernel wait on the longer FMA latency), so AVX2 keeps it off (BENCHMARKS.md).
     - Under AVX2, ATen's ``Vectorized<int32_t>::loadu(ptr, count)`` (which inductor emits for
       every integer load) copies through a 32-byte stack buffer. GCC removes that buffer only
       if it expands the copy as one 256-bit move; its default tuning for AVX2 CPUs moves 128
@@ -73,7 +75,9 @@ def compile_config() -> contextlib.AbstractContextManager:
       (GCC 12+) lets it use whole vectors.
     """
     cfg = torch._inductor.config.cpp
-    settings = {"cpp.enable_floating_point_contract_flag": "fast"}
+    settings = {}
+    if capability() == "AVX512":
+        settings["cpp.enable_floating_point_contract_flag"] = "fast"
     if (
         capability() == "AVX2"
         and platform.machine() in ("x86_64", "AMD64")
