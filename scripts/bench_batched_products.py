@@ -78,7 +78,7 @@ def main() -> None:
         n, k = (int(v) for v in shape.split("x"))
         w = torch.randn(n, k) * 0.05
         q, scale = quant.quantize_int8(w)
-        words = quant.block_int8(q, lanes)
+        words = quant.block_int8(q, lanes, quant.int8_words())
         x = torch.randn(1, 1, k)
         one = (milliseconds(fused, x, w), milliseconds(i8_per_row, x, words, scale))
         print(f"N={n} K={k} B=1: fp32 fused {one[0]:.3f} ms, int8 kernel {one[1]:.3f} ms")

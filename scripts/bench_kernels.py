@@ -66,6 +66,7 @@ def rowmajor_int4(x, packed, scale, offset):
 
 def one_row(args, fused, x, w, q8, s8, q4, lanes, words8, blocked4) -> list:
     """The single-token kernels: what a decode step of one sequence runs."""
+    unit = "int32 words" if words8.dtype == torch.int32 else "int8 bytes"
     n, k = w.shape
     g = args.group_size
     rows = [
@@ -78,7 +79,7 @@ def one_row(args, fused, x, w, q8, s8, q4, lanes, words8, blocked4) -> list:
         ),
         ("int8, compiled, row-major bytes (before)", "int8", fused(rowmajor_int8), (x, q8, s8)),
         (
-            f"int8, compiled, int32 words blocked by {lanes} rows (the engine's layers)",
+            f"int8, compiled, {unit} blocked by {lanes} rows (the engine's layers)",
             "int8",
             fused(quant.matvec_int8),
             (x, words8, s8),
@@ -144,6 +145,7 @@ def batched_rows(args, fused, x, w, q8, s8, lanes) -> list:
 
 def contracted(args, fused, x, w, q8, s8, lanes, words8) -> list:
     """The engine's kernels again, compiled with multiply-add contracted to FMA."""
+    unit = "int32 words" if words8.dtype == torch.int32 else "int8 bytes"
     if args.batch == 1:
         return [
             (
@@ -153,7 +155,7 @@ def contracted(args, fused, x, w, q8, s8, lanes, words8) -> list:
                 (x, w),
             ),
             (
-                "int8, compiled, int32 words blocked, FMA",
+                f"int8, compiled, {unit} blocked, FMA",
                 "int8",
                 fused(quant.matvec_int8, "fast"),
                 (x, words8, s8),
@@ -209,7 +211,7 @@ def main() -> None:
     q8, s8 = quant.quantize_int8(w)
     q4 = quant.quantize_int4(w, args.group_size)
     lanes = cpu.vector_lanes()
-    words8 = quant.block_int8(q8, lanes)
+    words8 = quant.block_int8(q8, lanes, quant.int8_words())  # the engine's layout here
     blocked4 = quant.block_int4(*q4, lanes)
 
     def fused(fn, contract: str = "off"):
