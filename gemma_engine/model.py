@@ -91,8 +91,7 @@ class KVCache(nn.Module):
             # keys and values before attention's bmm reads them (int8 step at context 4096:
             # 28.0 -> 25.1 ms, BENCHMARKS.md).
             return self.k[:, :, :n], self.v[:, :, :n]
-        # Each batch row reads its own cache row; in a compiled step the gather fuses into
-        # attention's reductions.
+        # Each batch row reads its own cache row: a gathered copy, which attention's bmm reads.
         keys = self.k[:, :, :n].index_select(0, rows)  # (B, KV, n, D)
         return keys, self.v[:, :, :n].index_select(0, rows)
 
