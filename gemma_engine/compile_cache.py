@@ -103,9 +103,11 @@ def use() -> Path | None:
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # importing inductor sets the default
-    if current and os.path.abspath(current) != os.path.abspath(default_cache_dir()):
-        return None
     folder = root() / "inductor" / folder_name()
+    # A second engine in this process finds the folder the first one set.
+    ours = (os.path.abspath(default_cache_dir()), os.path.abspath(folder))
+    if current and os.path.abspath(current) not in ours:
+        return None
     try:
         _check_stamp(folder)
     except OSError as err:

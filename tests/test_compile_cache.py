@@ -195,6 +195,19 @@ def test_broken_cached_files_are_rebuilt(model, warm_cache, eager_text, tmp_path
     assert again.stdout == eager_text.stdout
 
 
+def test_a_second_engine_in_the_process_keeps_the_folder(tmp_path, monkeypatch):
+    """use() points TorchInductor at the engine's folder; a second engine in the same process
+    (tests, a speculative drafter, a reload) must take that folder for its own, not for a
+    user's choice (which would cost it its saved graphs)."""
+    monkeypatch.setenv("GEMMA_ENGINE_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    first = compile_cache.use()
+    assert first is not None and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(first)
+    assert compile_cache.use() == first
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "a user's own"))
+    assert compile_cache.use() is None
+
+
 def test_a_lowered_capability_uses_its_own_folder():
     """What a graph is generated for is part of the key: AVX2 code must not be found by an
     AVX-512 process, nor the reverse."""
