@@ -10,6 +10,10 @@ under AVX2 (scripts/bench_kernels.py). One library call per step costs ~20 us of
 only the output layer takes this path; the layers' small matrices stay in the graph, where
 the same call per layer measured slower end to end (BENCHMARKS.md, issue #14).
 
+Since inductor's kernel reads four groups of rows side by side (quant.matvec_int8), it streams
+one token's product faster than both libraries (quant.to_kernel_layout has the figures): the
+packed copy now serves the products of several rows (batched steps) and eager calls.
+
 The libraries multiply uint8 activations by int8 weights. To keep the engine's int8 mode the
 exact product of its quantized weights (the tests compare it with transformers on the expanded
 weights), each activation row is split into ``ROWS`` = 4 rows of integers in [-64, 64]:
@@ -95,8 +99,9 @@ def pack(weight: Tensor, scale: Tensor, library: str | None = None) -> None:
 
 
 @torch.library.custom_op("gemma_engine::packed_int8_product", mutates_args=())
-def _product(ints: Tensor, weight: Tensor) -> Tensor:
-    """ints (M, K) float holding integers in [-64, 64] -> (M, N): ints @ (int8 * scale).T."""
+def _product(ints: Tensor, weight: Tensor, n: int) -> Tensor:
+    """ints (M, K) float holding integers in [-64, 64] -> (M, N): ints @ (int8 * scale).T,
+    the int8 matrix being the one packed onto ``weight`` (of any layout), N = ``n``."""
     packed = getattr(weight, "_gemma_packed", None)
     if packed is None:
         raise RuntimeError("packed_int8: this int8 matrix has no packed copy (call pack first)")
@@ -112,13 +117,14 @@ def _product(ints: Tensor, weight: Tensor) -> Tensor:
 
 
 @_product.register_fake
-def _(ints: Tensor, weight: Tensor) -> Tensor:
-    return ints.new_empty(ints.shape[0], weight.shape[0])
+def _(ints: Tensor, weight: Tensor, n: int) -> Tensor:
+    return ints.new_empty(ints.shape[0], n)
 
 
-def product(x: Tensor, weight: Tensor) -> Tensor:
-    """x (..., K) @ (int8 weight * scale).T through the packed copy (see the top)."""
-    k, n = x.shape[-1], weight.shape[0]
+def product(x: Tensor, weight: Tensor, n: int | None = None) -> Tensor:
+    """x (..., K) @ (int8 weight * scale).T through the packed copy (see the top); ``n``, the
+    matrix's rows, defaults to the weight's first dimension (the saved layout's)."""
+    k, n = x.shape[-1], weight.shape[0] if n is None else n
     rows = x.reshape(-1, k).float()
     amax = rows.abs().amax(-1, keepdim=True).clamp(min=2.0**-100)
     step = torch.exp2(torch.ceil(torch.log2(amax / 64)))  # (M, 1), a power of two
@@ -130,7 +136,7 @@ def product(x: Tensor, weight: Tensor) -> Tensor:
         parts.append(q)
         r = (r - q) * 128  # exact: |r - q| <= 1/2 and the scaling is by a power of two
     ints = torch.stack(parts, 1).reshape(-1, k)  # (M * ROWS, K)
-    out = _product(ints, weight).view(rows.shape[0], ROWS, n)
+    out = _product(ints, weight, n).view(rows.shape[0], ROWS, n)
     acc = out[:, ROWS - 1]
     for i in range(ROWS - 2, -1, -1):  # the smallest parts first
         acc = out[:, i] + acc / 128

@@ -230,7 +230,7 @@ def test_cli_quantize(tiny_checkpoints, capsys):
 
 def test_kernel_layout_follows_the_capability(quantized):
     """Quantized matrices are blocked by the vector width of the capability in effect; the
-    int8 output layer is packed for the GEMM library of that capability instead."""
+    int8 output layer also carries a packed copy for the GEMM library of that capability."""
     expected = os.environ.get("GEMMA_TEST_CAPABILITY", cpu.capability())
     assert cpu.capability() == expected  # a lowered run really runs lowered
     library = {"AVX512": "onednn", "AVX2": "fbgemm"}.get(expected)
@@ -241,16 +241,14 @@ def test_kernel_layout_follows_the_capability(quantized):
         assert isinstance(head, quant.Int8Linear)  # int8 under int4 too
         assert head.packed == (library is not None)
         if library is not None:
-            assert head.lanes is None and head.weight._gemma_packed[0] == library
-        blocked = {m for m in model.modules() if isinstance(m, quant.QuantizedLinear)} - {head}
+            assert head.weight._gemma_packed[0] == library
+        blocked = {m for m in model.modules() if isinstance(m, quant.QuantizedLinear)}
         lanes = {m.lanes for m in blocked}
         assert lanes == {cpu.vector_lanes()} == {16 if expected == "AVX512" else 8}
         # int8 blocks hold bytes under AVX-512, int32 words elsewhere (quant.int8_words)
         if method == "int8":
             int8 = {m.weight.dtype for m in blocked}
             assert int8 == {torch.int8 if expected == "AVX512" else torch.int32}
-        if library is None:
-            assert head.lanes == cpu.vector_lanes()
 
 
 @pytest.mark.parametrize("library", ["onednn", "fbgemm"])
@@ -271,6 +269,10 @@ def test_packed_int8_product_matches_the_dequantized_product(library):
     got = packed_int8.product(x, q)
     torch.testing.assert_close(got, expect, atol=1e-4, rtol=1e-5)
     assert got[2].eq(0).all()
+    # The copy may sit on a blocked matrix (quant.to_kernel_layout), whose rows are then given.
+    blocked = quant.block_int8(q, 8)
+    blocked._gemma_packed = q._gemma_packed
+    assert torch.equal(packed_int8.product(x, blocked, 300), got)
     torch.testing.assert_close(got[3] * 1e20, expect[3] * 1e20, atol=1e-4, rtol=1e-5)
     # Each row is computed as on its own, bit for bit, eager or compiled (batched decode).
     solo = torch.cat([packed_int8.product(x[i : i + 1], q) for i in range(len(x))])
