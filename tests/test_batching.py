@@ -317,7 +317,7 @@ def test_compiled_batched_equals_solo_one_graph_per_pair(tiny_checkpoints):
     assert together == alone
     pairs = set(engine.compile_seconds)
     assert (2, 32) in pairs and pairs <= {(1, 32), (1, 64), (2, 32), (2, 64)}
-    assert counters["stats"]["unique_graphs"] - graphs == len(pairs)
+    assert counters["stats"]["unique_graphs"] - graphs <= len(pairs)  # 0 if saved whole
     # Each prompt again with its reply (all of it that was fed) and one more token: only that
     # token is prefilled. The second time, the slots have run 5 tokens past that prefix, more
     # than a chunk (4) allows: the rings no longer hold the window before it, nothing is reused.
@@ -326,5 +326,5 @@ def test_compiled_batched_equals_solo_one_graph_per_pair(tiny_checkpoints):
         before = set(engine.compile_seconds)
         requests = [engine.submit(p, max_new_tokens=6) for p in longer]
         assert [r.result().stats["cached_tokens"] for r in requests] == cached
-        assert counters["stats"]["unique_graphs"] - graphs == len(engine.compile_seconds)
+        assert counters["stats"]["unique_graphs"] - graphs <= len(engine.compile_seconds)
     assert set(engine.compile_seconds) == before  # the same shapes again: no graph

@@ -44,7 +44,8 @@ def test_incremental_equals_full_forward(kind, compile_mode, tiny_checkpoints):
     got = incremental_logits(engine, ids, prompt_len=5)
     torch.testing.assert_close(got, full, atol=1e-4, rtol=0)
     if compile_mode:  # positions 5..39 touch buckets 8, 16, 32 and 64: four graphs, no more
-        assert counters["stats"]["unique_graphs"] - graphs == 4
+        # At most four traced: none when a graph was found saved whole (saved_graphs.py).
+        assert counters["stats"]["unique_graphs"] - graphs <= 4
         assert sorted(engine.compile_seconds) == [(1, b) for b in BUCKETS]
     # A second, shorter sequence reuses the cache without clearing it: stale slots are masked.
     other = ids_for(20, seed=1)
@@ -63,7 +64,6 @@ def test_generation_compiles_one_graph_per_bucket(tiny_checkpoints):
     prompt = ids_for(6, seed=3)
     notices: list[str] = []
     compiled.on_compile = notices.append  # what gemma-run prints on stderr
-    graphs = counters["stats"]["unique_graphs"]
     first = compiled.generate(prompt, max_new_tokens=30)  # positions 6..35: buckets 8..64
     assert first.stats["buckets_compiled"] == first.stats["buckets_used"] == [8, 16, 32, 64]
     # Each new graph is announced before it compiles and again, with its time, once ready.
@@ -75,12 +75,14 @@ def test_generation_compiles_one_graph_per_bucket(tiny_checkpoints):
             f"the decode graph for 1 row and kv bucket {kv} is ready",
         )
     ]
-    assert counters["stats"]["unique_graphs"] - graphs == 4
+    # One graph per bucket (saved whole or, where that is not possible, dynamo's own).
+    assert sorted(compiled.compile_seconds) == [(1, kv) for kv in (8, 16, 32, 64)]
     assert first.token_ids == eager.generate(prompt, max_new_tokens=30).token_ids
     notices.clear()
+    graphs = counters["stats"]["unique_graphs"]
     again = compiled.generate(ids_for(4, seed=4), max_new_tokens=30)
     assert again.stats["buckets_compiled"] == [] and not [n for n in notices if "decode" in n]
-    assert counters["stats"]["unique_graphs"] - graphs == 4
+    assert counters["stats"]["unique_graphs"] == graphs  # no graph traced again
 
 
 @pytest.fixture(scope="module")

@@ -99,7 +99,8 @@ def test_moe_incremental_equals_full_forward(compiled, tiny_new_checkpoints):
     got = incremental_logits(engine, ids, prompt_len=5)
     torch.testing.assert_close(got, full, atol=1e-4, rtol=0)
     if compiled:  # positions 5..39 touch buckets 8, 16, 32 and 64
-        assert counters["stats"]["unique_graphs"] - graphs == 4
+        # At most four traced: none when a graph was found saved whole (saved_graphs.py).
+        assert counters["stats"]["unique_graphs"] - graphs <= 4
         assert sorted(engine.compile_seconds) == [(1, b) for b in BUCKETS]
 
 

@@ -222,7 +222,8 @@ def test_compiled_decode_matches_one_process(name, sharded, single):
 def test_every_rank_samples_the_same_tokens(sharded):
     first, second = ({k: {**v, "seconds": 0} for k, v in r.items()} for r in sharded[1])
     assert first == second  # unseeded sampling included: rank 0's tokens are broadcast
-    assert len(first["gemma"]["unseeded"]) == 8
+    # Up to 8 tokens: an unseeded draw may end early on an end-of-turn token (seen: 6).
+    assert 1 <= len(first["gemma"]["unseeded"]) <= 8
     assert first["same error"]["type"] == "CheckpointNotFoundError"  # as itself, on every rank
     assert "no-such-folder" in first["same error"]["message"]
 
