@@ -29,7 +29,8 @@ uint8 values stay in [0, 128], so AVX2's 16-bit pair sums cannot saturate (2 * 1
 as its solo step does. Four rows cost little: the weights are read once for all of them.
 
 The packed copy lives on the weight tensor itself (``weight._gemma_packed``), so it dies with
-it; the plain int8 matrix stays for the embedding lookups and the prompt path.
+it; the blocked int8 matrix (quant.to_kernel_layout) stays for one token's product, the
+embedding lookups and the prompt path.
 """
 
 from __future__ import annotations
