@@ -246,6 +246,13 @@ class Engine:
         input_pos = input_pos.view(B, 1)
         if rows is None:
             rows = torch.arange(B, device=tokens.device)
+        for name, t in (("tokens", tokens), ("input_pos", input_pos), ("rows", rows)):
+            # A graph checks its guards on its first call only (saved_graphs.Bound).
+            if t.dtype != torch.long or t.device != self.device:
+                raise TypeError(
+                    f"Engine.step: {name} must be an int64 tensor on {self.device}, not "
+                    f"{t.dtype} on {t.device}"
+                )
         if not self.compile:
             return self.model(tokens, input_pos, kv_len, rows)
         limit = max(Engine._graphs_allowed, 8)

@@ -83,6 +83,12 @@ def test_generation_compiles_one_graph_per_bucket(tiny_checkpoints):
     again = compiled.generate(ids_for(4, seed=4), max_new_tokens=30)
     assert again.stats["buckets_compiled"] == [] and not [n for n in notices if "decode" in n]
     assert counters["stats"]["unique_graphs"] == graphs  # no graph traced again
+    # A graph checks dynamo's guards on its first call only: the step checks its arguments.
+    for name, wrong in (("tokens", torch.int32), ("input_pos", torch.int32), ("rows", torch.int)):
+        args = dict(tokens=torch.tensor([[5]]), input_pos=torch.tensor([9]), rows=torch.tensor([0]))
+        args[name] = args[name].to(wrong)
+        with pytest.raises(TypeError, match=f"Engine.step: {name} must be an int64 tensor"):
+            compiled.step(args["tokens"], args["input_pos"], 16, args["rows"])
 
 
 @pytest.fixture(scope="module")
