@@ -48,14 +48,32 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+# Entries a sliding layer's ring holds beyond its window (at most; fewer when the prompt chunk
+# is shorter): the most positions one step writes before it reads. A decode step writes one per
+# row, a speculative verify step k + 1 <= 17; a longer prompt chunk reads the ring first.
+RING_SLACK = 32
+
+
+def reads_first(length: int, kv_len: int, window: int | None, ring: int) -> bool:
+    """Whether a sliding layer reads its ring before writing ``length`` new positions: when
+    they are more than the ring holds beyond the window, and positions have wrapped (kv_len >
+    ring; below that each position has its own entry)."""
+    return window is not None and length > ring - window and kv_len > ring
+
+
 class KVCache(nn.Module):
     """One layer's keys and values for ``batch`` sequences (cache rows), written in place.
 
     A global layer's row holds ``max_seq_len`` positions, position p at index p. A sliding
     layer's row is a ring of ``slots`` entries, position p at p % slots, sized by the engine
-    to window + one prompt chunk: a chunk is written before it is read (a query at the chunk's
-    start still finds the window before it), and prefix reuse may roll a sequence back by up
-    to a chunk (see slots.py). Every write goes to the batch row's own cache row ``rows``.
+    to the window plus ``RING_SLACK`` (or one prompt chunk, if shorter). A step is written
+    before it is read when it fits in that slack (a query at its first position still finds
+    the window before it): then the compiled decode step updates the ring in place and reads
+    it where it lies. A longer prompt chunk (eager) reads a copy of the ring first and attends
+    over the ring and the chunk (``reads_first``). The ring used to hold a whole prompt chunk
+    (512) beyond the window, and every decode step at 1k positions or more read all of it:
+    1024 entries where 544 now hold the window. Prefix reuse may roll a sequence back as far as
+    the slack allows (see slots.py). Every write goes to the batch row's own cache row ``rows``.
     """
 
     def __init__(
@@ -83,6 +101,13 @@ class KVCache(nn.Module):
         # One advanced index triple (row, head, position) per new key, on the buffer itself: the
         # same write through a transposed view makes the compiled step copy the whole buffer.
         heads = torch.arange(k.shape[1], device=k.device)[None, :, None]  # (1, KV, 1)
+        if reads_first(k.shape[2], kv_len, self.window, self.slots):
+            ring_k, ring_v = self.k.index_select(0, rows), self.v.index_select(0, rows)
+            keep = min(k.shape[2], self.slots)  # the chunk's last positions, one per entry
+            where = (rows[:, None, None], heads, index[:, None, -keep:])
+            self.k.index_put_(where, k[:, :, -keep:])
+            self.v.index_put_(where, v[:, :, -keep:])
+            return torch.cat([ring_k, k], dim=2), torch.cat([ring_v, v], dim=2)
         where = (rows[:, None, None], heads, index[:, None, :])  # broadcast to (B, KV, T)
         self.k.index_put_(where, k)
         self.v.index_put_(where, v)
@@ -104,15 +129,21 @@ def attention_masks(
     Masks compare positions, never cache indices, so stale entries left by an earlier, longer
     sequence in the same cache row are hidden without clearing it. A sliding layer's ring of
     ``ring`` entries was written up to each row's last position before it is read, so entry i
-    holds the latest position congruent to i: ``last - (last - i) % ring``.
+    holds the latest position congruent to i: ``last - (last - i) % ring``. A chunk that reads
+    the ring first (``reads_first``) sees it as written up to the position before the chunk,
+    followed by the chunk's own keys.
     """
     q_pos = input_pos[:, :, None]  # (B, T, 1)
     global_pos = torch.arange(kv_len, device=input_pos.device)  # index i holds position i
     masks = {AttentionType.GLOBAL: (global_pos <= q_pos)[:, None]}
     if window is not None:
+        first = reads_first(input_pos.shape[1], kv_len, window, ring)
         slots = torch.arange(min(kv_len, ring), device=input_pos.device)
-        last = input_pos[:, -1:]  # (B, 1)
-        key_pos = (last - torch.remainder(last - slots, ring))[:, None, :]  # (B, 1, S)
+        last = input_pos[:, :1] - 1 if first else input_pos[:, -1:]  # (B, 1)
+        key_pos = last - torch.remainder(last - slots, ring)  # (B, S)
+        if first:
+            key_pos = torch.cat([key_pos, input_pos], dim=1)  # (B, ring + T)
+        key_pos = key_pos[:, None, :]  # (B, 1, S)
         visible = (key_pos >= 0) & (key_pos <= q_pos) & (key_pos > q_pos - window)
         masks[AttentionType.SLIDING] = visible[:, None]  # negative: never written
     return masks
@@ -360,11 +391,12 @@ class GemmaModel(nn.Module):
 
 
 def ring_size(config: GemmaConfig, max_seq_len: int, chunk: int) -> int:
-    """Entries of a sliding layer's ring: the window plus the longest chunk written at once,
-    capped at the sequence (then positions never wrap)."""
+    """Entries of a sliding layer's ring: the window plus what a step may write before it
+    reads (``RING_SLACK``, or the prompt chunk if shorter), capped at the sequence (then
+    positions never wrap)."""
     if not config.sliding_window:
         return max_seq_len
-    return min(config.sliding_window + chunk, max_seq_len)
+    return min(config.sliding_window + min(chunk, RING_SLACK), max_seq_len)
 
 
 class GemmaForCausalLM(nn.Module):
@@ -382,9 +414,9 @@ class GemmaForCausalLM(nn.Module):
 
     def setup_cache(self, max_seq_len: int, batch: int = 1, chunk: int | None = None) -> None:
         """Allocate the KV cache of ``batch`` sequences and the rope tables once, on the
-        weights' device and dtype; sliding rings hold window + ``chunk`` positions (the
-        longest chunk written at once; default: any length) or the whole sequence if that is
-        shorter.
+        weights' device and dtype; sliding rings hold the window and ``RING_SLACK`` positions
+        (fewer if ``chunk``, the longest prompt chunk, is shorter), or the whole sequence if
+        that is shorter.
 
         KV-shared layers (Gemma 3n/4) own no cache: they read their source layer's.
         """

@@ -5,9 +5,9 @@ row keeps the tokens it holds (idle), so that a later request that starts with t
 (a chat sending its history again) prefills only the rest, as llama.cpp's ``cache_prompt``.
 
 Global layers keep every position, so any common prefix is still there. A sliding layer keeps a
-ring of ``ring`` entries (window + one prompt chunk, see model.KVCache): a row that has written
-positions up to ``written`` (exclusive) still holds ``[written - ring, written)``, the latest
-write of each entry. Continuing at position p needs the window before it, positions
+ring of ``ring`` entries (the window + model.RING_SLACK, see model.KVCache): a row that has
+written positions up to ``written`` (exclusive) still holds ``[written - ring, written)``, the
+latest write of each entry. Continuing at position p needs the window before it, positions
 ``[p - window + 1, p)``, so a prefix of p tokens is reusable iff
 ``written - ring <= max(0, p - window + 1)``. If it is not, nothing can be reused: recomputing
 the missing window would need the window before it in the layer below, back to position 0.

@@ -32,12 +32,13 @@ solo decode: the tests check tokens and a logit tolerance against plain steps.
 
 Stale keys. Rejected drafts leave keys in the cache beyond the accepted length; every mask
 compares positions, so a global layer never reads them and they are overwritten when those
-positions are decoded for real. A sliding layer's ring holds window + prefill_chunk entries
-(model.KVCache), sized so that a prompt chunk of up to prefill_chunk tokens can be written
-before it is read; a verify step writes k + 1 positions at once like such a chunk, so the
-engine requires k + 1 <= prefill_chunk. Then writing p..p+k evicts only positions outside the
-window of every query at p or later, and a stale key at p + j (j <= k) sits in the ring entry
-of position p + j - ring, which the mask places outside the window of any later query. (The
+positions are decoded for real. A sliding layer's ring holds the window and min(prefill_chunk,
+model.RING_SLACK) more entries (model.KVCache): that many positions can be written before they
+are read. A verify step writes k + 1 positions at once, so the engine requires k + 1 <=
+prefill_chunk (k is at most 16, the slack 32). Then writing p..p+k evicts only positions
+outside the window of every query at p or later, and a stale key at p + j (j <= k) sits in the
+ring entry of position p + j - ring, which the mask places outside the window of any later
+query. (The
 int8 drafter writes fewer positions ahead than the target.) ``slots.Slot.written`` counts
 the speculative writes, so the prefix-reuse rule of slots.py stays correct.
 
@@ -278,8 +279,8 @@ class Speculator:
         if k + 1 > engine.prefill_chunk:
             raise InvalidRequestError(
                 f"speculate_tokens ({k}) + 1 must be at most prefill_chunk "
-                f"({engine.prefill_chunk}): a sliding layer's ring keeps one chunk beyond its "
-                "window, and a speculative step writes k + 1 positions"
+                f"({engine.prefill_chunk}): a sliding layer's ring keeps at most one chunk beyond "
+                "its window, and a speculative step writes k + 1 positions"
             )
         self.engine = engine
         self.method = method

@@ -108,10 +108,11 @@ def test_kv_shared_layers_own_no_cache(engines, tiny_new_checkpoints):
     engine = engines["gemma4"]
     caches = [layer.self_attn.cache for layer in engine.model.model.layers]
     assert [c is None for c in caches] == [False] * 4 + [True] * 2
-    # 128 positions: sliding layers hold a ring of min(8 + 512, 128) entries (the window and
-    # a prompt chunk), full layers 128, at their own geometry, for each of max_batch rows.
+    # 128 positions: sliding layers hold a ring of min(8 + min(512, 32), 128) entries (the
+    # window and model.RING_SLACK), full layers 128, at their own geometry, for each of
+    # max_batch rows.
     per_slot = {0: 2 * 16, 1: 2 * 16, 2: 1 * 32, 3: 2 * 16}
-    slots = {0: 128, 1: 128, 2: 128, 3: 128}
+    slots = {0: 40, 1: 40, 2: 128, 3: 40}
     rows = engine.max_batch
     assert rows == 4  # the default, which fits easily
     assert engine.kv_cache_bytes == rows * sum(2 * per_slot[i] * slots[i] * 4 for i in range(4))

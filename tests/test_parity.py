@@ -34,6 +34,28 @@ def test_score_matches_transformers(kind, engines, tiny_checkpoints):
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_prompt_chunks_longer_than_the_rings_slack_match_transformers(kind, tiny_checkpoints):
+    """A sliding layer's ring holds the window and model.RING_SLACK (32) more positions; a
+    longer prompt chunk reads the ring before writing (model.reads_first). Chunks of 36 over
+    120 positions: the first reads an empty ring, the second an unwrapped one, the third a
+    wrapped one (positions 40..71 in entries 0..31), the last (12) writes first."""
+    folder, reference = tiny_checkpoints[kind]
+    engine = Engine.from_pretrained(folder, compile=False, max_seq_len=128, prefill_chunk=36)
+    assert engine.model.ring == 8 + 32
+    ids = random_ids(120, seed=5)
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(engine.score(ids), expected, atol=1e-4, rtol=0)
+    # Decoding on from the chunked prompt: each step writes first, the window intact.
+    prompt = ids[:100]
+    want = reference.generate(
+        torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20, do_sample=False
+    )[0, 100:].tolist()
+    got = engine.generate(prompt, max_new_tokens=20).token_ids
+    assert got == want[: len(got)] and len(got) >= 10
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_generate_matches_transformers(kind, engines, tiny_checkpoints):
     reference = tiny_checkpoints[kind][1]
