@@ -106,12 +106,16 @@ class Engine:
             )
         self._head = model.logits
         self._head_compiles = False  # True: a prompt's logits come from compiled graphs
-        if compile and not isinstance(model.model.embed_tokens, torch.nn.Embedding):
+        head = model.output_layer()
+        if compile and isinstance(head, quant.QuantizedLinear) and not head.packed:
             # A prompt's layers run eagerly (lengths vary, the matmuls are large), but its one
             # row of logits is a product with the whole output matrix, which eagerly would
             # expand a quantized matrix in full (seconds). Compiled, it streams the quantized
             # bytes as decode does. Float weights keep MKL's GEMV here: tens of milliseconds,
-            # against a compile of up to 12 s before a fresh process's first token.
+            # against a compile of up to 12 s before a fresh process's first token. So does an
+            # int8 output layer with a library's packed copy (packed_int8.py, on x86 CPUs):
+            # ~9 ms eagerly, where loading a saved graph for it took ~1 s of a fresh
+            # process's start.
             self._head = torch.compile(model.logits, fullgraph=True, dynamic=False)
             self._head_compiles = True
         self.scheduler = Scheduler(self)
@@ -342,10 +346,10 @@ class Engine:
 
     def precompile(self, kv_lens: list[int] | None = None, batch: int = 1) -> list[int]:
         """Build now the decode graphs of ``batch`` rows for ``kv_lens`` (default: the first
-        two buckets), and the quantized output layer for prompts, so that requests find them
-        ready, in this process or, through the compile cache, in the next. Call it before any
-        request: it writes one position of the first ``batch`` cache rows (their prompts are
-        forgotten). The kv buckets built."""
+        two buckets), and the quantized output layer for prompts where it is compiled, so
+        that requests find them ready, in this process or, through the compile cache, in the
+        next. Call it before any request: it writes one position of the first ``batch`` cache
+        rows (their prompts are forgotten). The kv buckets built."""
         if not self.compile:
             raise InvalidRequestError("precompile needs a compiled engine (compile=True)")
         kv_lens = self.buckets[:2] if kv_lens is None else sorted(set(kv_lens))
