@@ -152,12 +152,12 @@ def test_a_saved_graph_checks_its_guards_on_the_first_call_only(tmp_path):
         graph, loaded = saved_graphs.get(tmp_path, model, torch.nn.Linear.forward, (x,))
         with pytest.raises(RuntimeError, match="GuardManager check failed"):
             graph(torch.ones(2, 4))  # a first call with other shapes: refused
-        assert torch.equal(graph(x), model(x))
+        # (close, not equal: the compiled product may round differently from eager addmm)
+        torch.testing.assert_close(graph(x), model(x))
         model.weight.mul_(2)  # the weights are the graph's inputs, read at every call
-        assert torch.equal(graph(x), model(x))
-        assert torch.equal(
-            saved_graphs.get(tmp_path, model, torch.nn.Linear.forward, (x,))[0](x), model(x)
-        )
+        torch.testing.assert_close(graph(x), model(x))
+        again, _ = saved_graphs.get(tmp_path, model, torch.nn.Linear.forward, (x,))
+        torch.testing.assert_close(again(x), model(x))
 
 
 def test_other_weights_of_the_same_shapes_reuse_the_graph(model, warm_cache, tmp_path):
