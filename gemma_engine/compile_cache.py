@@ -43,8 +43,9 @@ import torch
 from . import cpu
 
 STAMP = "stamp.json"
-# The vector instruction sets inductor's probe found usable here (see trust_vector_probe).
-VECTOR_PROBE = "vector_probe.json"
+# Inductor's answers about the vector instruction sets (see remember_vector_checks).
+VECTOR_CHECKS = "vector_checks.json"
+_checks_file: Path | None = None  # this process's, once use() found a folder
 # Where torch logs a cached graph it could not load (then builds it anew), with a traceback each.
 _LOADERS = ("torch._inductor.codecache", "torch._functorch._aot_autograd.autograd_cache")
 
@@ -115,50 +116,54 @@ def use() -> Path | None:
         cpu.isolate_compile_cache()
         return None
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
-    trust_vector_probe(folder)
+    remember_vector_checks(folder)
     return folder
 
 
-def _vector_sets_by_flags() -> list[str] | None:
-    """The vector instruction sets inductor would use by the CPU's flags alone (x86 Linux)."""
-    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return None
-    from torch._inductor import cpu_vec_isa
+def remember_vector_checks(folder: Path) -> None:
+    """Keep the answer of each of inductor's vector-instruction checks in ``folder``.
 
-    flags = cpu_vec_isa.x86_isa_checker()
-    wanted = cpu_vec_isa.supported_vec_isa_list
-    return [str(isa) for isa in wanted if all(flag in flags for flag in str(isa).split())]
-
-
-def trust_vector_probe(folder: Path) -> None:
-    """Skip inductor's probe of the vector instruction sets when an earlier process here ran it
-    and it found every set the CPU's flags name.
-
-    The first graph a process loads makes inductor compile a test program per instruction set
-    and load each in a child Python (1-3 s on two cores), only to learn what the CPU's flags
-    already say when the compiler handles them all. The folder's key covers the CPU and torch,
-    so once a process here has run the probe (remember_vector_probe), later ones can skip it.
+    Before the first graph a process loads, inductor checks each vector instruction set the
+    CPU's flags name (AVX2, AVX-512, its VNNI and BF16 parts, AMX): it compiles a test program
+    for it, or finds it compiled, and loads it in a child Python. That took ~0.5 s of every
+    fresh process's start on two cores (the children), only to learn again what an earlier
+    process here had learned. The folder's key covers torch, the CPU and its capability; each
+    answer is filed under the test program, the compiler's version and its flags (what inductor
+    names the program's build by), so a check runs once per folder and compiler, and later
+    processes read its answer.
     """
-    try:
-        found = json.loads((folder / VECTOR_PROBE).read_text())
-    except (OSError, ValueError):
-        return
-    if found == _vector_sets_by_flags():
-        torch._inductor.config.cpp.vec_isa_ok = True
-
-
-def remember_vector_probe() -> None:
-    """After a graph was built in our folder: keep what inductor's probe found, once."""
-    folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if not folder or Path(folder).name != folder_name() or (Path(folder) / VECTOR_PROBE).exists():
-        return
-    if torch._inductor.config.cpp.vec_isa_ok is not None or _vector_sets_by_flags() is None:
-        return  # the probe did not run (or someone else decided); nothing learned
+    global _checks_file
+    _checks_file = folder / VECTOR_CHECKS
     from torch._inductor import cpu_vec_isa
 
-    found = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
-    with contextlib.suppress(OSError):
-        _write_atomic(Path(folder) / VECTOR_PROBE, json.dumps(found))
+    check = cpu_vec_isa.VecISA.check_build
+    if getattr(check, "remembered", False):
+        return
+
+    @functools.wraps(check)
+    def remembered(isa, code: str) -> bool:
+        path = _checks_file
+        if path is None:
+            return check(isa, code)
+        flags = cpu_vec_isa._get_isa_dry_compile_fingerprint(isa.build_arch_flags())
+        key = hashlib.sha256(f"{flags}\0{code}".encode()).hexdigest()
+        answer = _read_checks(path).get(key)
+        if not isinstance(answer, bool):
+            answer = check(isa, code)
+            with contextlib.suppress(OSError):
+                _write_atomic(path, json.dumps({**_read_checks(path), key: answer}))
+        return answer
+
+    remembered.remembered = True
+    cpu_vec_isa.VecISA.check_build = remembered
+
+
+def _read_checks(path: Path) -> dict:
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 def _check_stamp(folder: Path) -> None:

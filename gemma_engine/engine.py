@@ -309,7 +309,6 @@ class Engine:
             graph, loaded = make()
             out = graph(*args)  # a step is idempotent: it writes the same cache entries again
         seconds = time.perf_counter() - start
-        compile_cache.remember_vector_probe()
         if loaded:
             source = "from the compile cache"
         elif counters["inductor"]["fxgraph_cache_hit"] > hits:

@@ -190,9 +190,10 @@ def test_a_cache_made_for_another_torch_or_cpu_is_rebuilt(model, warm_cache, eag
 
 @pytest.mark.parametrize("which", ["every file", "shared objects"])
 def test_broken_cached_files_are_rebuilt(model, warm_cache, eager_text, tmp_path, which):
-    """Every cached file overwritten (the saved graph does not load: the cache is cleared with
-    one warning and the graph built anew), or only the compiled kernels (the saved graph
-    loads, and torch builds its kernels again from the source it holds)."""
+    """Every cached file overwritten (the saved graph does not load), or only the compiled
+    libraries (the saved graph loads, its kernels do not): either way the cache is cleared with
+    one warning and the graph built anew. (The libraries include inductor's vector-instruction
+    test programs, whose answers the folder keeps: they are not asked again.)"""
     cache = tmp_path / "cache"
     shutil.copytree(warm_cache, cache)
     broken = 0
@@ -205,13 +206,9 @@ def test_broken_cached_files_are_rebuilt(model, warm_cache, eager_text, tmp_path
     run = gemma_run(model, cache, "--prompt", PROMPT)
     assert "Traceback" not in run.stderr
     assert run.stdout == eager_text.stdout
-    if which == "every file":  # the saved graph is unreadable: one warning, all built anew
-        (warning,) = warnings(run.stderr)
-        assert "could not be loaded" in warning and "the cache is cleared" in warning
-        assert source_of_graph(run.stderr) == "compiled"
-    else:  # the saved graph holds its kernels' source: torch compiles them again, quietly
-        assert not warnings(run.stderr)
-        assert source_of_graph(run.stderr) == "from the compile cache"
+    (warning,) = warnings(run.stderr)
+    assert "could not be loaded" in warning and "the cache is cleared" in warning
+    assert source_of_graph(run.stderr) == "compiled"
     again = gemma_run(model, cache, "--prompt", PROMPT)
     assert source_of_graph(again.stderr) == "from the compile cache" and not warnings(again.stderr)
     assert again.stdout == eager_text.stdout
@@ -266,29 +263,60 @@ def test_an_empty_folder_is_stamped_and_a_stampless_one_with_files_set_aside(tmp
     assert sorted(p.name for p in unknown.iterdir()) == [compile_cache.STAMP]
 
 
-def test_inductors_vector_probe_runs_once_per_folder(warm_cache, tmp_path):
-    """The first process that builds a graph keeps what inductor's probe of the vector
-    instruction sets found; later ones skip the probe when it found what the CPU's flags say,
-    and run it when the kept list differs."""
-    by_flags = compile_cache._vector_sets_by_flags()
-    probe = cache_folder(warm_cache) / compile_cache.VECTOR_PROBE
-    assert probe.exists() == (by_flags is not None)
-    code = (
-        "import torch\nfrom gemma_engine import compile_cache\ncompile_cache.use()\n"
-        "print(torch._inductor.config.cpp.vec_isa_ok)"
-    )
+VECTOR_SETS = """
+import json, sys, torch
+from torch._inductor import cpu_vec_isa
+from gemma_engine import compile_cache
+built = []
+check = cpu_vec_isa.VecISA.check_build
+def counted(isa, code):
+    built.append(str(isa))
+    return check(isa, code)
+cpu_vec_isa.VecISA.check_build = counted  # below the engine's memory of the answers
+if sys.argv[1] == "cache":
+    compile_cache.use()
+sets = [[str(isa), isa.build_arch_flags()] for isa in cpu_vec_isa.valid_vec_isa_list()]
+print(json.dumps({"sets": sets, "checks_run": len(built)}))
+"""
 
-    def trusted(cache: Path) -> str:
-        env = {**os.environ, "GEMMA_ENGINE_CACHE": str(cache)}
-        env.pop("TORCHINDUCTOR_CACHE_DIR", None)
-        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-        assert run.returncode == 0, run.stderr
-        return run.stdout.strip()
 
-    if by_flags is not None:
-        assert json.loads(probe.read_text()) == by_flags
-        assert trusted(warm_cache) == "True"
-        other = tmp_path / "cache"
-        shutil.copytree(warm_cache, other)
-        (cache_folder(other) / compile_cache.VECTOR_PROBE).write_text(json.dumps(by_flags[1:]))
-        assert trusted(other) == "None"  # a set failed its probe once: probe again
+def vector_sets(cache: Path, use_cache: bool = True) -> dict:
+    """In a fresh process: the vector instruction sets inductor finds usable (with the flags
+    it would compile them with), and how many of its build checks actually ran."""
+    env = {**os.environ, "GEMMA_ENGINE_CACHE": str(cache)}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    if not use_cache:
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(cache / "torch-own")
+    args = [sys.executable, "-c", VECTOR_SETS, "cache" if use_cache else "plain"]
+    run = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout)
+
+
+def test_inductors_vector_checks_run_once_per_folder(warm_cache, tmp_path):
+    """The process that built a graph kept the answer of each of inductor's vector-instruction
+    checks; a later process reads them and runs none, and finds the same sets with the same
+    flags as inductor's own checks in a process that does not use the engine's folder. An
+    answer missing from the file (or a file that is not JSON) makes that check run again."""
+    plain = vector_sets(tmp_path, use_cache=False)
+    remembered = vector_sets(warm_cache)
+    assert remembered["sets"] == plain["sets"] and remembered["checks_run"] == 0
+    if plain["checks_run"] == 0:
+        return  # not an x86 Linux machine: inductor checks nothing here
+    assert remembered["sets"], "an x86 machine has AVX2 at least"
+    checks = cache_folder(warm_cache) / compile_cache.VECTOR_CHECKS
+    answers = json.loads(checks.read_text())
+    assert answers and all(isinstance(a, bool) for a in answers.values())
+    other = tmp_path / "cache"
+    shutil.copytree(warm_cache, other)
+    kept = cache_folder(other) / compile_cache.VECTOR_CHECKS
+    kept.write_text("{not json")
+    again = vector_sets(other)
+    assert again["sets"] == plain["sets"] and again["checks_run"] == plain["checks_run"]
+    fresh = json.loads(kept.read_text())  # the answers a process needs, found again
+    assert fresh.items() <= answers.items() and len(fresh) == plain["checks_run"]
+    first = next(iter(fresh))
+    kept.write_text(json.dumps({k: v for k, v in fresh.items() if k != first}))
+    again = vector_sets(other)
+    assert again["sets"] == plain["sets"] and again["checks_run"] == 1
+    assert json.loads(kept.read_text()) == fresh
