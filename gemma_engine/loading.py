@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from . import parallel, quant
+from . import parallel, quant, quantized_cache
 from .config import AttentionType, GemmaConfig
 from .errors import CheckpointError, CheckpointNotFoundError, InvalidRequestError, OutOfMemoryError
 from .file_checks import (
@@ -297,6 +297,28 @@ def build_model(
     return model.eval().requires_grad_(False)
 
 
+def _build_from_cache(
+    kept: quantized_cache.Entry | None,
+    config: GemmaConfig,
+    tensors: dict[str, torch.Tensor],
+    device: torch.device,
+    dtype: torch.dtype,
+    quantized: tuple[str, int | None],
+) -> GemmaForCausalLM | None:
+    """The model with its quantized tensors from the cache entry ``kept`` in place of the
+    checkpoint's float ones (never read then), or None when there is no usable entry."""
+    found = kept.read() if kept is not None else None
+    if found is None:
+        return None
+    state = text_state_dict(tensors, config)
+    state.update(found)
+    try:
+        return build_model(config, state, device, dtype, quantized)
+    except CheckpointError as err:  # not this model's quantized tensors
+        kept.warn(f"does not fit this model ({err})")
+        return None
+
+
 # -- everything from_pretrained does before the engine exists ------------------------------
 @dataclass
 class Loaded:
@@ -332,7 +354,8 @@ def load(
     an error on one rank ends every rank's load with that rank's message (parallel.py).
     """
     with ranks.together() if ranks is not None else contextlib.nullcontext():
-        ckpt = read_checkpoint(resolve(model), dtype, ranks)
+        path = resolve(model)
+        ckpt = read_checkpoint(path, dtype, ranks)
         config = GemmaConfig.from_hf(ckpt.config)
         shard = ranks.shard(config) if ranks is not None else None
         with torch.device("meta"):  # the layers quantization would replace, with no weights
@@ -357,13 +380,23 @@ def load(
         tokenizer = Tokenizer(ckpt.tokenizer_model)
         tokenizer.check_fits(config.vocab_size)
         quantized = (saved["method"], saved.get("group_size")) if saved else None
-        net = build_model(config, ckpt.tensors, device, dtype, quantized, shard)
+        # A CPU process keeps what it quantizes for the next one (quantized_cache.py).
+        kept = None
+        if not saved and method != "none" and shard is None and device.type == "cpu":
+            kept = quantized_cache.Entry(path, method, group_size, dtype)
+        net = _build_from_cache(kept, config, ckpt.tensors, device, dtype, (method, group_size))
+        if net is not None:
+            quantized, kept = (method, group_size), None
+        else:
+            net = build_model(config, ckpt.tensors, device, dtype, quantized, shard)
     if ranks is not None:  # the same batch buckets, hence the same steps, on every rank
         max_batch = ranks.smallest(max_batch)
-    if not saved and method != "none":  # after the ranks agree: int8 scales are collective
-        row_max = shard.row_max if shard is not None else None
+    if not saved and method != "none" and quantized is None:  # after the ranks agree: int8
+        row_max = shard.row_max if shard is not None else None  # scales are collective
         quant.quantize_model(net, method, group_size, dtype, row_max=row_max)
         quantized = (method, group_size)
+        if kept is not None:
+            kept.write(quantized_cache.quantized_tensors(net))
     del ckpt.tensors  # the model holds what it needs
     if quantized is not None:
         if device.type == "cpu":
