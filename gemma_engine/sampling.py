@@ -41,10 +41,30 @@ class SamplingParams:
         return self.temperature == 0
 
 
+_BLOCK = 512  # logits per block in greedy()'s first pass
+
+
+def greedy(logits: Tensor) -> Tensor:
+    """``logits.argmax(-1)`` for logits (..., vocab), in two passes over blocks of the vocabulary.
+
+    torch's argmax along one long row runs as a scalar loop on one thread: 0.39 ms for Gemma 3's
+    262,144 logits on the project's 2-core VM, ~2.5% of an int8 decode step. The blocks' maxima
+    (a vectorized amax, 0.02 ms), then the argmax of the best block's first maximum, find the same
+    index (the first maximum; a NaN counts as the maximum, as in argmax) in 0.04 ms.
+    """
+    vocab = logits.shape[-1]
+    if vocab % _BLOCK or vocab < 8 * _BLOCK:
+        return logits.argmax(dim=-1)
+    rows = logits.reshape(-1, vocab // _BLOCK, _BLOCK)
+    block = rows.amax(dim=-1).argmax(dim=-1)  # (R,): the first block holding the maximum
+    within = rows[torch.arange(rows.shape[0], device=rows.device), block].argmax(dim=-1)
+    return (block * _BLOCK + within).reshape(logits.shape[:-1])
+
+
 def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> Tensor:
     """Next token ids (B,) from last-position logits (B, vocab); stays on the logits' device."""
     if params.greedy:
-        return logits.argmax(dim=-1)
+        return greedy(logits)
     probs = probabilities(logits, params)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
@@ -75,7 +95,7 @@ def sample_rows(
     Greedy rows come from one argmax over the batch; a sampled row is drawn alone, with its own
     generator, so a seeded request gets the same tokens whatever it is batched with.
     """
-    tokens = logits.argmax(dim=-1)  # (B,)
+    tokens = greedy(logits)  # (B,)
     for i, (row_params, generator) in enumerate(zip(params, generators, strict=True)):
         if not row_params.greedy:
             tokens[i] = sample(logits[i : i + 1], row_params, generator)[0]

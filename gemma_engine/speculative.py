@@ -58,7 +58,7 @@ from torch import Tensor
 
 from .errors import InvalidRequestError
 from .inputs import whole_number
-from .sampling import probabilities
+from .sampling import greedy, probabilities
 from .slots import common_prefix
 
 if TYPE_CHECKING:
@@ -221,7 +221,7 @@ class Int8Drafter:
             if pos < len(context):
                 continue  # a catch-up token: its logits predict a known token
             if params.greedy:
-                drafts.append(int(logits.argmax(-1)))
+                drafts.append(int(greedy(logits)))
             else:
                 q = probabilities(logits, params)
                 drafts.append(int(torch.multinomial(q, 1, generator=generator)))
@@ -266,7 +266,7 @@ def accept_drafts(
 def accept_greedy(logits: Tensor, drafts: list[int]) -> list[int]:
     """Greedy: the target's argmax at each position, up to and including the first that
     differs from the draft (then the drafts after it are moot)."""
-    best = logits.argmax(-1).tolist()  # (n + 1,)
+    best = greedy(logits).tolist()  # (n + 1,)
     n = next((i for i, d in enumerate(drafts) if best[i] != d), len(drafts))
     return best[: n + 1]
 

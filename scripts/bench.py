@@ -181,7 +181,11 @@ class EngineContestant(TorchContestant):
         self.tok = self.torch.tensor([[self.ids_long[ctx - 1]]], device=self.device)
 
     def decode_step(self, ctx: int) -> None:
-        self._done(self.engine.step(self.tok, self.pos, self.kv_len))
+        # The engine's own greedy pick (sampling.greedy, what its generate runs), where
+        # transformers' contestants take torch's argmax as its generate does.
+        from gemma_engine.sampling import greedy
+
+        greedy(self.engine.step(self.tok, self.pos, self.kv_len)[:, -1]).item()
 
     def first_token(self, ids: list[int]) -> None:
         self.engine.generate(ids, max_new_tokens=1)
