@@ -73,8 +73,11 @@ class Entry:
     """The cache entry of one checkpoint (``path``, a folder or GGUF file) and quantization."""
 
     def __init__(self, path: Path, method: str, group_size: int | None, dtype: torch.dtype):
-        self.description = _describe(path, method, group_size, dtype)
-        name = json.dumps([self.description["source"], method, group_size, str(dtype)])
+        try:
+            self.description: dict | None = _describe(path, method, group_size, dtype)
+        except OSError:  # a file gone since it was read: no entry to trust or keep
+            self.description = None
+        name = json.dumps([str(path.resolve()), method, group_size, str(dtype)])
         self.folder = compile_cache.root() / FOLDER
         self.file = self.folder / f"{hashlib.sha256(name.encode()).hexdigest()[:24]}.safetensors"
 
@@ -83,6 +86,8 @@ class Entry:
         is missing or stale. A damaged entry is warned about and treated as missing."""
         from safetensors import SafetensorError, safe_open
 
+        if self.description is None:
+            return None
         try:
             with safe_open(self.file, framework="pt") as f:
                 found = (f.metadata() or {}).get("gemma_engine")
@@ -107,6 +112,8 @@ class Entry:
         beyond one warning line (a full disk or a read-only home must not fail a load)."""
         from safetensors.torch import save_file
 
+        if self.description is None:
+            return
         metadata = {"gemma_engine": json.dumps(self.description, sort_keys=True)}
         tmp = None
         try:
