@@ -391,8 +391,8 @@ def load(
             net = build_model(config, ckpt.tensors, device, dtype, quantized, shard)
     if ranks is not None:  # the same batch buckets, hence the same steps, on every rank
         max_batch = ranks.smallest(max_batch)
-    if not saved and method != "none" and quantized is None:  # after the ranks agree: int8
-        row_max = shard.row_max if shard is not None else None  # scales are collective
+    if quantized is None and method != "none":  # after the ranks agree: int8 scales are
+        row_max = shard.row_max if shard is not None else None  # collective
         quant.quantize_model(net, method, group_size, dtype, row_max=row_max)
         quantized = (method, group_size)
         if kept is not None:

@@ -28,7 +28,6 @@ import contextlib
 import hashlib
 import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 
@@ -125,10 +124,9 @@ class Entry:
         except OSError as err:
             if tmp is not None:
                 Path(tmp).unlink(missing_ok=True)
-            print(
-                f"gemma-engine: warning: cannot keep the quantized weights in {self.folder} "
-                f"({err.strerror or err}); the next process quantizes them again",
-                file=sys.stderr,
+            compile_cache.warn(
+                f"cannot keep the quantized weights in {self.folder} ({err.strerror or err}); "
+                "the next process quantizes them again"
             )
             return
         _trim(self.folder, keep=self.file)

@@ -2,8 +2,8 @@
 
 A process that builds a decode graph leaves it in the cache, saved whole (saved_graphs.py); the
 next process loads it there (and says so) instead of compiling; a cache made for another torch
-or CPU, or an unreadable saved graph, is cleared with one warning line and built again, and
-broken kernels are rebuilt by torch. In every case the text equals the eager engine's (itself
+or CPU, an unreadable saved graph or broken compiled kernels, is cleared with one warning line
+and built again. In every case the text equals the eager engine's (itself
 checked against transformers in test_parity.py).
 """
 
