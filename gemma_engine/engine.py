@@ -259,6 +259,11 @@ class Engine:
                 )
         if not self.compile:
             return self.model(tokens, input_pos, kv_len, rows)
+        graph = self._graphs.get((B, kv_len))
+        if isinstance(graph, saved_graphs.Bound) and graph.checked:
+            # Loaded and checked: the settings below only matter to a graph that may still
+            # compile (44 us a step to enter them).
+            return graph(tokens, input_pos, kv_len, rows)
         limit = max(Engine._graphs_allowed, 8)
         limits = dict(recompile_limit=limit, accumulated_recompile_limit=max(limit, 256))
         with cpu.compile_config(), torch._dynamo.config.patch(limits):
