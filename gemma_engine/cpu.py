@@ -61,12 +61,15 @@ def compile_config() -> contextlib.AbstractContextManager:
     """Inductor settings for the engine's graphs, entered around every compiled call (they
     change only these graphs, and saved_graphs.py keys on them).
 
-    - Floating-point contraction under AVX-512: inductor compiles its C++ with
-      ``-ffp-contract=off`` so that a graph rounds as eager does, which leaves every
-      multiply-accumulate of the decode products a multiply and an add. Fused (one rounding
-      instead of two, so no less accurate), an int8 decode step took 0.55 ms less there
-      (20.07 -> 19.52 ms) but 1.9 ms more under AVX2 (31.05 -> 32.93 ms: the accumulators of
-      the word kernel wait on the longer FMA latency), so AVX2 keeps it off (BENCHMARKS.md).
+    - Floating-point contraction: inductor compiles its C++ with ``-ffp-contract=off`` so
+      that a graph rounds as eager does, which leaves every multiply-accumulate of the decode
+      products a multiply and an add. Fused (one rounding instead of two, so no less
+      accurate), an int8 decode step took 0.55 ms less under AVX-512 (20.07 -> 19.52 ms,
+      2026-12-05). Under AVX2, where the int8 kernels run out of arithmetic before bandwidth,
+      one process each way first measured it 1.9 ms slower (31.05 -> 32.93 ms, 2026-12-05,
+      on kernels since rewritten); three alternating pairs of fresh processes on today's
+      kernels, 300 steps each, measured it faster: 14.63 / 15.68 / 15.06 ms without, 14.17 /
+      14.27 / 14.17 ms with (the project's VM lowered to AVX2, 2026-12-06; BENCHMARKS.md).
     - Under AVX2, ATen's ``Vectorized<int32_t>::loadu(ptr, count)`` (which inductor emits for
       every integer load) copies through a 32-byte stack buffer. GCC removes that buffer only
       if it expands the copy as one 256-bit move; its default tuning for AVX2 CPUs moves 128
@@ -76,7 +79,7 @@ def compile_config() -> contextlib.AbstractContextManager:
     """
     cfg = torch._inductor.config.cpp
     settings = {}
-    if capability() == "AVX512":
+    if capability() in ("AVX512", "AVX2"):
         settings["cpp.enable_floating_point_contract_flag"] = "fast"
     if (
         capability() == "AVX2"
