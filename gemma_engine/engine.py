@@ -267,7 +267,6 @@ class Engine:
         limit = max(Engine._graphs_allowed, 8)
         limits = dict(recompile_limit=limit, accumulated_recompile_limit=max(limit, 256))
         with cpu.compile_config(), torch._dynamo.config.patch(limits):
-            graph = self._graphs.get((B, kv_len))
             if graph is not None:
                 return graph(tokens, input_pos, kv_len, rows)
             what = f"the decode graph for {B} row{'s' * (B > 1)} and kv bucket {kv_len}"
