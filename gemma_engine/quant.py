@@ -230,9 +230,26 @@ def unblock_int8(blocks: Tensor, n: int) -> Tensor:
     return rows.contiguous().view(torch.int8)
 
 
-def _byte(words: Tensor, j: int) -> Tensor:
-    """Byte j of each int32 word (little-endian), sign-extended: native 32-bit shifts."""
-    return words >> 24 if j == 3 else (words << (24 - 8 * j)) >> 24
+TOP_BYTE = -(1 << 24)  # 0xFF000000 as an int32
+WORD_UNSCALE = 2.0**-24  # _top_byte's factor, taken out once per output
+
+
+def _top_byte(words: Tensor, j: int) -> Tensor:
+    """Byte j of each int32 word (little-endian) moved to the word's top byte, zeros below:
+    the signed byte times 2**24, exactly, and exactly so as a float (8 significant bits).
+
+    Three shifts and three ANDs per word, where shifting each byte down to a sign-extended
+    int took seven shifts. The products x * (b * 2**24) are those of x * b scaled by a power of
+    two, so once the sum is multiplied by 2**-24 every output is bit for bit what the
+    shifted-down bytes gave (scripts/bench_kernels.py: the output layer's kernel under AVX2
+    5.2 -> 4.5 ms on an AMD EPYC, BENCHMARKS.md). An AND may run on a vector port that shifts
+    cannot use on Intel CPUs.
+    """
+    if j == 0:
+        return words << 24
+    if j == 3:
+        return words & TOP_BYTE
+    return (words << (24 - 8 * j)) & TOP_BYTE
 
 
 STREAMS = 4  # row groups of the matrix that one product's loop reads side by side
@@ -256,18 +273,21 @@ def matvec_int8(x: Tensor, blocks: Tensor, scale: Tensor) -> Tensor:
     groups = STREAMS if nb % STREAMS == 0 else 1
     acc = torch.cat([_block_sums(x, b) for b in blocks.chunk(groups)])  # (nb, L)
     n = scale.shape[0]
+    if blocks.dtype == torch.int32:
+        scale = scale * WORD_UNSCALE  # exact: a power of two
     out = acc.reshape(nb * lanes)[:n] * scale
     return out.to(x.dtype).view(*x.shape[:-1], n)
 
 
 def _block_sums(x: Tensor, blocks: Tensor) -> Tensor:
     """(nb, L): sum over the columns of x times each block's rows, one accumulator per
-    block (the four bytes of a word are summed before they meet it: fewer registers)."""
+    block (the four bytes of a word are summed before they meet it: fewer registers). Words
+    give the sums times 2**24 (``_top_byte``)."""
     kw = blocks.shape[1]
     if blocks.dtype == torch.int8:
         return (x.reshape(kw, 1).float() * blocks.float()).sum(1)
     x4 = x.reshape(kw, 4).float()
-    terms = [x4[:, j, None] * _byte(blocks, j).float() for j in range(4)]
+    terms = [x4[:, j, None] * _top_byte(blocks, j).float() for j in range(4)]
     return ((terms[0] + terms[1]) + (terms[2] + terms[3])).sum(1)
 
 

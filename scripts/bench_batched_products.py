@@ -46,9 +46,11 @@ def i8_fused_inner(x, words, scale):
     rows = x.reshape(-1, x.shape[-1])
     x4 = rows.reshape(rows.shape[0], kw, 4).float()
     acc = sum(
-        (x4[None, :, :, j, None] * quant._byte(words, j).float()[:, None]).sum(2) for j in range(4)
-    )  # (nb, R, L)
-    return acc.transpose(0, 1).reshape(rows.shape[0], nb * lanes)[:, : scale.shape[0]] * scale
+        (x4[None, :, :, j, None] * quant._top_byte(words, j).float()[:, None]).sum(2)
+        for j in range(4)
+    )  # (nb, R, L), times 2**24
+    out = acc.transpose(0, 1).reshape(rows.shape[0], nb * lanes)[:, : scale.shape[0]]
+    return out * (scale * quant.WORD_UNSCALE)
 
 
 def i8_dequant_gemm(x, q, scale):
