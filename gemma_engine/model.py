@@ -230,9 +230,9 @@ class Attention(nn.Module):
         # products took 15.9 ms at context 4096 with them, 6.9 ms with bmm (the gather's copy
         # of keys and values that bmm needs included; BENCHMARKS.md). The scores are computed
         # as keys @ q^T, the cache as the product's left matrix, read as it lies: MKL's small
-        # products with the cache transposed on the right ran 2.4-3.8x slower (1,024 keys:
-        # 193 against 51 us on an AMD EPYC, AVX-512 or lowered to AVX2; int8 step at 4096
-        # 18.5 -> 14.5 ms, BENCHMARKS.md).
+        # products with the cache transposed on the right ran 2.4-3.8x slower on an AMD EPYC,
+        # under AVX-512 and lowered to AVX2 (1,024 keys: 193 against 51 us under AVX-512; int8
+        # step at 4096 18.5 -> 14.5 ms, BENCHMARKS.md).
         scores = torch.matmul(keys, q.transpose(2, 3)).transpose(2, 3) * self.scaling
         if (cap := self.config.attn_logit_softcapping) is not None:
             scores = torch.tanh(scores / cap) * cap  # Gemma 2 caps before masking

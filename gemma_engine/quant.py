@@ -241,9 +241,9 @@ def _top_byte(words: Tensor, j: int) -> Tensor:
     Three shifts and three ANDs per word, where shifting each byte down to a sign-extended
     int took seven shifts. The products x * (b * 2**24) are those of x * b scaled by a power of
     two, so once the sum is multiplied by 2**-24 every output is bit for bit what the
-    shifted-down bytes gave (scripts/bench_kernels.py: the output layer's kernel under AVX2
-    5.2 -> 4.5 ms on an AMD EPYC, BENCHMARKS.md). An AND may run on a vector port that shifts
-    cannot use on Intel CPUs.
+    shifted-down bytes gave. The output layer's kernel under AVX2 went 5.2-5.4 -> 4.3-5.0 ms
+    on an AMD EPYC (BENCHMARKS.md). On Intel CPUs an AND may also run on a vector port that
+    shifts cannot use.
     """
     if j == 0:
         return words << 24
