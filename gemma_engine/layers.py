@@ -75,6 +75,40 @@ def batched_linear(x: Tensor, weight: Tensor) -> Tensor:
     return torch.matmul(weight, x.unsqueeze(-1)).squeeze(-1)
 
 
+def one_query_on_cpu_compiled(q: Tensor) -> bool:
+    """Attention for one position per row (q: (B, KV, G, D), T = 1) of a float32 model on CPU
+    inside a compiled graph: ``one_query_attention`` rather than bmm."""
+    return q.device.type == "cpu" and q.dtype == torch.float32 and torch.compiler.is_compiling()
+
+
+def one_query_attention(
+    q: Tensor, keys: Tensor, values: Tensor, visible: Tensor, scaling: float, cap: float | None
+) -> Tensor:
+    """Attention of one query position per head, as fused reductions inside the graph.
+
+    q: (B, KV, G, D), the G query heads that share each key head; keys and values: (B, KV, S,
+    D); visible: (B, 1, 1, S). Returns (B, KV, G, D). One reduction per query head, all over the
+    same keys, which inductor fuses into one loop that reads each key once (as it fuses a
+    product's row groups, see quant.matvec_int8), and both threads share it; MKL ran these
+    small products on one thread. The weights are normalised after the weighted sum, once per
+    output: inlined into that sum, the division ran once per key and output vector, a scalar
+    division that cost as much as the product. The same sums in another order: not bit for
+    bit the bmm path's outputs.
+    """
+    q = materialized(q)  # else the norm and rope are computed again for every key
+    heads = q.shape[2]
+    scores = torch.stack([(keys * q[:, :, g, None, :]).sum(-1) for g in range(heads)], dim=2)
+    scores = scores * scaling  # (B, KV, G, S)
+    if cap is not None:
+        scores = torch.tanh(scores / cap) * cap  # Gemma 2 caps before masking
+    scores = scores.masked_fill(~visible, float("-inf"))
+    weights = materialized(torch.exp(scores - scores.amax(-1, keepdim=True)))
+    out = torch.stack(
+        [(weights[:, :, g, :, None] * values).sum(2) for g in range(heads)], dim=2
+    )  # (B, KV, G, D)
+    return out / weights.sum(-1, keepdim=True)
+
+
 def lookup(table: nn.Module, tokens: Tensor) -> Tensor:
     """Rows of an embedding table, float or quantized (see quant.py)."""
     return table(tokens) if isinstance(table, nn.Embedding) else table.embed(tokens)

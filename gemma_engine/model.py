@@ -25,7 +25,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import AttentionType, GemmaConfig, RopeConfig
-from .layers import Linear, RMSNorm, linear, lookup
+from .layers import (
+    Linear,
+    RMSNorm,
+    linear,
+    lookup,
+    one_query_attention,
+    one_query_on_cpu_compiled,
+)
 from .sparse_blocks import AltUp, Experts, Laurel, Router, gaussian_top_k
 
 
@@ -225,14 +232,18 @@ class Attention(nn.Module):
         # Grouped heads share a key head: fold the group into the query length, no repeat.
         group = self.n_heads // self.n_kv
         q = q.reshape(B, self.n_kv, group * T, self.head_dim)  # (B, KV, G*T, D)
-        # Library products (bmm), not fused multiply-reduces: over the cache those streamed
-        # 8-10 GB/s against bmm's 17, and the default model's int8 step without its weight
-        # products took 15.9 ms at context 4096 with them, 6.9 ms with bmm (the gather's copy
-        # of keys and values that bmm needs included; BENCHMARKS.md). The scores are computed
-        # as keys @ q^T, the cache as the product's left matrix, read as it lies: MKL's small
-        # products with the cache transposed on the right ran 2.4-3.8x slower on an AMD EPYC,
-        # under AVX-512 and lowered to AVX2 (1,024 keys: 193 against 51 us under AVX-512; int8
-        # step at 4096 18.5 -> 14.5 ms, BENCHMARKS.md).
+        if T == 1 and one_query_on_cpu_compiled(q):
+            # A decode step on CPU: fused reductions over the cache, on both threads, where
+            # MKL ran each small product mostly on one (the default model's int8 step on an
+            # AMD EPYC: at 128, 10.9 -> 9.8 ms; at 4096, 15.3-16.3 -> 13.9-14.1; BENCHMARKS.md).
+            cap = self.config.attn_logit_softcapping
+            out = one_query_attention(q, keys, values, mask, self.scaling, cap)
+            return self.o_proj(out.reshape(B, T, self.n_heads * self.head_dim))
+        # Elsewhere (CUDA, bf16, eager, several positions), library products. The scores are
+        # computed as keys @ q^T, the cache as the product's left matrix, read as it lies:
+        # MKL's small products with the cache transposed on the right ran 2.4-3.8x slower on an
+        # AMD EPYC, under AVX-512 and lowered to AVX2 (1,024 keys: 193 against 51 us under
+        # AVX-512; the int8 step at 4096 then, 18.5 -> 14.5 ms; BENCHMARKS.md).
         scores = torch.matmul(keys, q.transpose(2, 3)).transpose(2, 3) * self.scaling
         if (cap := self.config.attn_logit_softcapping) is not None:
             scores = torch.tanh(scores / cap) * cap  # Gemma 2 caps before masking

@@ -56,6 +56,28 @@ def test_incremental_equals_full_forward(kind, compile_mode, tiny_checkpoints):
     assert counters["stats"]["unique_graphs"] == graphs  # no recompilation inside a bucket
 
 
+@pytest.mark.parametrize("cap", [None, 5.0])
+def test_one_query_attention_matches_softmax_attention(cap):
+    """The compiled decode step's attention (fused reductions) against attention computed
+    directly in float64: grouped heads, a masked tail, two rows, Gemma 2's soft-cap."""
+    from gemma_engine.layers import one_query_attention
+
+    gen = torch.Generator().manual_seed(0)
+    B, KV, G, S, D = 2, 2, 3, 40, 16
+    q, keys, values = (torch.randn(B, KV, n, D, generator=gen) for n in (G, S, S))
+    visible = torch.ones(B, 1, 1, S, dtype=torch.bool)
+    visible[0, ..., 29:] = False  # row 0 sees 29 keys, row 1 all of them
+    scores = torch.einsum("bkgd,bksd->bkgs", q.double(), keys.double()) * 0.25
+    if cap is not None:
+        scores = torch.tanh(scores / cap) * cap
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    expected = torch.einsum("bkgs,bksd->bkgd", probs, values.double())
+    compiled = torch.compile(one_query_attention, fullgraph=True, dynamic=False)
+    out = compiled(q, keys, values, visible, 0.25, cap)
+    assert out.shape == (B, KV, G, D)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_generation_compiles_one_graph_per_bucket(tiny_checkpoints):
     folder = tiny_checkpoints["gemma3"][0]
     torch._dynamo.reset()
