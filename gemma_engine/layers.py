@@ -24,7 +24,9 @@ def one_token_on_cpu_compiled(x: Tensor) -> bool:
 
 
 def rows_on_cpu_compiled(x: Tensor) -> bool:
-    """A decode step of a batch (x: (..., B, 1, K), B > 1) on CPU inside a compiled graph."""
+    """A decode step (x: (..., B, 1, K), one new position per row) on CPU inside a compiled
+    graph. ``linear`` takes it for B > 1 (one row is ``one_token_on_cpu_compiled``'s);
+    attention for any B (``one_query_attention``)."""
     return x.shape[-2] == 1 and x.device.type == "cpu" and torch.compiler.is_compiling()
 
 
@@ -75,12 +77,6 @@ def batched_linear(x: Tensor, weight: Tensor) -> Tensor:
     return torch.matmul(weight, x.unsqueeze(-1)).squeeze(-1)
 
 
-def one_query_on_cpu_compiled(q: Tensor) -> bool:
-    """Attention for one position per row (q: (B, KV, G, D), T = 1) of a float32 model on CPU
-    inside a compiled graph: ``one_query_attention`` rather than bmm."""
-    return q.device.type == "cpu" and q.dtype == torch.float32 and torch.compiler.is_compiling()
-
-
 def one_query_attention(
     q: Tensor, keys: Tensor, values: Tensor, visible: Tensor, scaling: float, cap: float | None
 ) -> Tensor:
@@ -90,7 +86,7 @@ def one_query_attention(
     D); visible: (B, 1, 1, S). Returns (B, KV, G, D). One reduction per query head, all over the
     same keys, which inductor fuses into one loop that reads each key once (as it fuses a
     product's row groups, see quant.matvec_int8), and both threads share it; MKL ran these
-    small products on one thread. The weights are normalised after the weighted sum, once per
+    small products mostly on one thread. The weights are normalised after the weighted sum, once per
     output: inlined into that sum, the division ran once per key and output vector, a scalar
     division that cost as much as the product. The same sums in another order: not bit for
     bit the bmm path's outputs.

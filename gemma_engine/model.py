@@ -25,14 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import AttentionType, GemmaConfig, RopeConfig
-from .layers import (
-    Linear,
-    RMSNorm,
-    linear,
-    lookup,
-    one_query_attention,
-    one_query_on_cpu_compiled,
-)
+from .layers import Linear, RMSNorm, linear, lookup, one_query_attention, rows_on_cpu_compiled
 from .sparse_blocks import AltUp, Experts, Laurel, Router, gaussian_top_k
 
 
@@ -232,7 +225,7 @@ class Attention(nn.Module):
         # Grouped heads share a key head: fold the group into the query length, no repeat.
         group = self.n_heads // self.n_kv
         q = q.reshape(B, self.n_kv, group * T, self.head_dim)  # (B, KV, G*T, D)
-        if T == 1 and one_query_on_cpu_compiled(q):
+        if rows_on_cpu_compiled(x) and q.dtype == torch.float32:
             # A decode step on CPU: fused reductions over the cache, on both threads, where
             # MKL ran each small product mostly on one (the default model's int8 step on an
             # AMD EPYC: at 128, 10.9 -> 9.8 ms; at 4096, 15.3-16.3 -> 13.9-14.1; BENCHMARKS.md).
