@@ -25,7 +25,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import AttentionType, GemmaConfig, RopeConfig
-from .layers import Linear, RMSNorm, linear, lookup, one_query_attention, rows_on_cpu_compiled
+from .layers import (
+    Linear,
+    RMSNorm,
+    library_attention,
+    linear,
+    lookup,
+    one_query_attention,
+    rows_on_cpu_compiled,
+)
 from .sparse_blocks import AltUp, Experts, Laurel, Router, gaussian_top_k
 
 
@@ -232,19 +240,10 @@ class Attention(nn.Module):
             cap = self.config.attn_logit_softcapping
             out = one_query_attention(q, keys, values, mask, self.scaling, cap)
             return self.o_proj(out.reshape(B, T, self.n_heads * self.head_dim))
-        # Elsewhere (CUDA, bf16, eager, several positions), library products. The scores are
-        # computed as keys @ q^T, the cache as the product's left matrix, read as it lies:
-        # MKL's small products with the cache transposed on the right ran 2.4-3.8x slower on an
-        # AMD EPYC, under AVX-512 and lowered to AVX2 (1,024 keys: 193 against 51 us under
-        # AVX-512; the int8 step at 4096 then, 18.5 -> 14.5 ms; BENCHMARKS.md).
-        scores = torch.matmul(keys, q.transpose(2, 3)).transpose(2, 3) * self.scaling
-        if (cap := self.config.attn_logit_softcapping) is not None:
-            scores = torch.tanh(scores / cap) * cap  # Gemma 2 caps before masking
-        scores = scores.view(B, self.n_kv, group, T, -1)
-        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))  # mask: (B, 1, 1, T, S)
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        probs = probs.view(B, self.n_kv, group * T, -1)
-        out = torch.matmul(probs, values)  # (B, KV, G*T, D)
+        # Elsewhere (CUDA, bf16, eager, several positions), library products.
+        out = library_attention(
+            q, keys, values, mask, self.scaling, self.config.attn_logit_softcapping
+        )
         out = out.view(B, self.n_heads, T, self.head_dim).transpose(1, 2)  # (B, T, H, D)
         return self.o_proj(out.reshape(B, T, self.n_heads * self.head_dim))
 

@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -33,10 +32,8 @@ GROUP, HEAD_DIM, LAYERS, SCALING = 4, 256, 18, 256**-0.5
 
 
 def bmm_attention(q: Tensor, keys: Tensor, values: Tensor, visible: Tensor) -> Tensor:
-    """The engine's library path (model.Attention for several positions), for one."""
-    scores = torch.matmul(keys, q.transpose(2, 3)).transpose(2, 3) * SCALING
-    scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.matmul(F.softmax(scores, dim=-1, dtype=torch.float32), values)
+    """The engine's library path (model.Attention elsewhere than a CPU decode step)."""
+    return layers.library_attention(q, keys, values, visible, SCALING, None)
 
 
 def fused_attention(q: Tensor, keys: Tensor, values: Tensor, visible: Tensor) -> Tensor:
