@@ -11,6 +11,7 @@ import contextlib
 import functools
 import os
 import platform
+from pathlib import Path
 
 import torch
 
@@ -27,6 +28,31 @@ def capability() -> str:
 def vector_lanes() -> int:
     """32-bit lanes in one of inductor's CPU vectors under this process's capability."""
     return _LANES.get(capability(), 8)
+
+
+@functools.cache
+def vendor() -> str:
+    """The CPU's vendor ("GenuineIntel", "AuthenticAMD", ...), or "" where it is not known."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")[:200_000]
+    except OSError:
+        text = platform.processor()  # Windows: "Intel64 Family 6 Model 85 ..., GenuineIntel"
+    for name in ("GenuineIntel", "AuthenticAMD", "HygonGenuine"):
+        if name in text:
+            return name
+    return ""
+
+
+# Whether one token's product with a float output layer (Gemma's tied embedding, 262k rows
+# for Gemma 3) is PyTorch's BLAS (MKL on x86) rather than inductor's fused multiply-reduce
+# (layers.linear) in a compiled CPU step. On the default model's 262,144 x 640 fp32 matrix
+# (scripts/bench_kernels.py): MKL ahead on an Intel Xeon (AVX-512, AMX), 26.6 against 30.4 ms;
+# level on an AMD Zen 3 (47.4 and 48.0 ms, both at the bandwidth bound); on an AMD EPYC (Zen 4,
+# AVX-512) MKL 56-58 ms against 23.5 ms, its single-column product running on one thread
+# whether given one or two (BENCHMARKS.md). So MKL on Intel CPUs, the fused reduction on AMD's
+# (and Hygon's, Zen cores too), and the library elsewhere, where nothing was measured. A
+# module constant, not a call, because the model's compiled code reads it while tracing.
+LIBRARY_GEMV_FOR_OUTPUT = vendor() not in ("AuthenticAMD", "HygonGenuine")
 
 
 def isolate_compile_cache() -> None:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import cpu
 from .config import AttentionType, GemmaConfig, RopeConfig
 from .layers import (
     Linear,
@@ -524,11 +525,14 @@ class GemmaForCausalLM(nn.Module):
         """Normed hidden states (B, T, hidden) -> logits (B, T, vocab)."""
         cfg = self.config
         head = self.output_layer()
-        if isinstance(head, nn.Embedding) and x.shape[:-1].numel() == 1:
-            # Tied, float, one token: 63% of Gemma 3 270M's weight bytes. For this matrix
-            # MKL's GEMV (an extern call inside the graph) beat the fused multiply-reduce of
-            # the layers: 26.6 against 30.4 ms on the AVX-512 VM, 28.7 against 33.7 under AVX2,
-            # level on a Zen 3 machine (scripts/bench_kernels.py; BENCHMARKS.md).
+        if (
+            isinstance(head, nn.Embedding)
+            and x.shape[:-1].numel() == 1
+            and cpu.LIBRARY_GEMV_FOR_OUTPUT
+        ):
+            # Tied, float, one token: 63% of Gemma 3 270M's weight bytes. Where the CPU's BLAS
+            # streams this matrix faster than the layers' fused multiply-reduce, its GEMV (an
+            # extern call inside the graph); cpu.LIBRARY_GEMV_FOR_OUTPUT has the figures.
             logits = F.linear(x, head.weight)  # (1, 1, vocab)
         elif isinstance(head, nn.Embedding):
             logits = linear(x, head.weight)  # (B, T, vocab)

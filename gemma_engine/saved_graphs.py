@@ -10,10 +10,11 @@ the figures).
 A saved graph lives in the compile cache's folder (keyed by torch, CPU and Python), under a
 name that hashes what decides the traced graph: the engine's own source, the model's config,
 the names, shapes and dtypes of its parameters and buffers, the function, its arguments'
-shapes and values, and the thread count (inductor writes it into its loops). The weights are
-inputs of the graph, not constants in it, so another checkpoint of the same shapes loads the
-same file. Like inductor's own cache entries, the file is a pickle: it is only ever read from
-that folder, which this engine writes, never from a file a user or a request names.
+shapes and values, the thread count (inductor writes it into its loops) and the output
+layer's kernel (cpu.LIBRARY_GEMV_FOR_OUTPUT). The weights are inputs of the graph, not
+constants in it, so another checkpoint of the same shapes loads the same file. Like
+inductor's own cache entries, the file is a pickle: it is only ever read from that folder,
+which this engine writes, never from a file a user or a request names.
 
 Used for CPU graphs in one process. CUDA (whose graphs need ``mode="reduce-overhead"``) and
 tensor parallelism (collectives inside the graph) keep torch.compile's usual path.
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import compile_cache
+from . import compile_cache, cpu
 
 FOLDER = "graphs"  # inside the compile cache's folder
 SUFFIX = ".graph"
@@ -80,6 +81,7 @@ def file_name(model: torch.nn.Module, function: Callable, args: tuple) -> str:
         "threads": torch.get_num_threads(),
         "march": str(torch._inductor.config.cpp.march),
         "contract": torch._inductor.config.cpp.enable_floating_point_contract_flag,
+        "output_gemv": cpu.LIBRARY_GEMV_FOR_OUTPUT,
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
     return f"{function.__name__}-{digest}{SUFFIX}"

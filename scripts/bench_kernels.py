@@ -69,10 +69,18 @@ def one_row(args, fused, x, w, q8, s8, q4, lanes, words8, blocked4) -> list:
     unit = "int32 words" if words8.dtype == torch.int32 else "int8 bytes"
     n, k = w.shape
     g = args.group_size
+    blas = cpu.LIBRARY_GEMV_FOR_OUTPUT  # which of the two the engine's output layer takes here
     rows = [
-        ("fp32, `F.linear` (MKL GEMV)", "fp32", F.linear, (x, w)),
         (
-            "fp32, compiled multiply-reduce (the engine)",
+            "fp32, `F.linear` (MKL GEMV"
+            + ("; the engine's output layer on this CPU)" if blas else ")"),
+            "fp32",
+            F.linear,
+            (x, w),
+        ),
+        (
+            "fp32, compiled multiply-reduce (the engine's layers"
+            + (")" if blas else ", and its output layer on this CPU)"),
             "fp32",
             fused(lambda x, w: (x.unsqueeze(-2) * w).sum(-1)),
             (x, w),

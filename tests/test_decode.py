@@ -228,3 +228,23 @@ def test_default_buckets_double_up_to_the_cache():
     assert default_buckets(8192) == [256, 512, 1024, 2048, 4096, 8192]
     assert default_buckets(3000) == [256, 512, 1024, 2048, 3000]
     assert default_buckets(100) == [100]
+
+
+@pytest.mark.parametrize("library", [True, False], ids=["blas-gemv", "fused-reduce"])
+def test_tied_output_layer_for_one_token(library, monkeypatch, tiny_checkpoints):
+    """The tied output layer's product for one token in a compiled step, through each of the
+    two kernels cpu.LIBRARY_GEMV_FOR_OUTPUT picks between by CPU vendor (so that the one this
+    machine does not take is checked here too), against the eager product."""
+    from gemma_engine import cpu
+
+    engine = Engine.from_pretrained(tiny_checkpoints["gemma3"][0], compile=False)
+    model = engine.model
+    assert model.config.tie_word_embeddings
+    monkeypatch.setattr(cpu, "LIBRARY_GEMV_FOR_OUTPUT", library)
+    torch._dynamo.reset()
+    x = torch.randn(1, 1, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = torch.compile(model.logits, fullgraph=True, dynamic=False)(x)
+        expected = torch.nn.functional.linear(x.double(), model.output_layer().weight.double())
+    assert got.shape == (1, 1, model.config.vocab_size)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
