@@ -52,16 +52,14 @@ _LOADERS = ("torch._inductor.codecache", "torch._functorch._aot_autograd.autogra
 
 def _cpu_description() -> str:
     """The CPU's model name and instruction-set flags (Linux); the platform's name elsewhere."""
-    try:
-        text = Path("/proc/cpuinfo").read_text(errors="replace")[:200_000]
-    except OSError:
+    fields = cpu.cpuinfo_fields()
+    if fields is None:
         return platform.processor() or platform.machine()
-    found: dict[str, str] = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(":")
-        name = name.strip()
-        if name in ("model name", "flags", "Features", "CPU part") and name not in found:
-            found[name] = " ".join(sorted(value.split())) if name != "model name" else value.strip()
+    found = {
+        name: fields[name] if name == "model name" else " ".join(sorted(fields[name].split()))
+        for name in ("model name", "flags", "Features", "CPU part")
+        if name in fields
+    }
     return json.dumps(found, sort_keys=True)
 
 

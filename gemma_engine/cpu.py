@@ -31,12 +31,26 @@ def vector_lanes() -> int:
 
 
 @functools.cache
-def vendor() -> str:
-    """The CPU's vendor ("GenuineIntel", "AuthenticAMD", ...), or "" where it is not known."""
+def cpuinfo_fields() -> dict[str, str] | None:
+    """The first value of each field of /proc/cpuinfo (its first 200 kB), or None where the
+    platform has no such file."""
     try:
         text = Path("/proc/cpuinfo").read_text(errors="replace")[:200_000]
     except OSError:
-        text = platform.processor()  # Windows: "Intel64 Family 6 Model 85 ..., GenuineIntel"
+        return None
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        fields.setdefault(name.strip(), value.strip())
+    return fields
+
+
+@functools.cache
+def vendor() -> str:
+    """The CPU's vendor ("GenuineIntel", "AuthenticAMD", ...), or "" where it is not known."""
+    fields = cpuinfo_fields()
+    # Elsewhere (Windows): "Intel64 Family 6 Model 85 Stepping 4, GenuineIntel".
+    text = fields.get("vendor_id", "") if fields is not None else platform.processor()
     for name in ("GenuineIntel", "AuthenticAMD", "HygonGenuine"):
         if name in text:
             return name
