@@ -13,6 +13,7 @@ machinery.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 import os
 import shutil
@@ -23,7 +24,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch._dynamo.utils import counters
 
 from . import compile_cache, cpu, parallel, quant, saved_graphs
 from .chat_format import chat_ids
@@ -160,18 +160,21 @@ class Engine:
                 "speculative decoding does not run under tensor parallelism yet; drop "
                 "--speculate (speculate=...) or run one process"
             )
-        loaded = load(
-            model,
-            device=device,
-            dtype=dtype,
-            max_seq_len=max_seq_len,
-            buckets=buckets,
-            quantize=quantize,
-            group_size=group_size,
-            max_batch=max_batch,
-            prefill_chunk=prefill_chunk,
-            ranks=ranks,
-        )
+        # Dynamo and inductor are imported while the weights load (saved_graphs.py).
+        importing = compile is not False and device.type == "cpu"
+        with saved_graphs.compiler_imported_alongside() if importing else contextlib.nullcontext():
+            loaded = load(
+                model,
+                device=device,
+                dtype=dtype,
+                max_seq_len=max_seq_len,
+                buckets=buckets,
+                quantize=quantize,
+                group_size=group_size,
+                max_batch=max_batch,
+                prefill_chunk=prefill_chunk,
+                ranks=ranks,
+            )
         engine = cls(
             loaded.model,
             loaded.tokenizer,
@@ -293,6 +296,8 @@ class Engine:
                 if (got := saved_graphs.get(self._saved, self.model, function, args)) is not None:
                     return got
             return compiled, False
+
+        from torch._dynamo.utils import counters
 
         hits = counters["inductor"]["fxgraph_cache_hit"]
         start = time.perf_counter()

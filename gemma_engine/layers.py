@@ -134,8 +134,19 @@ def lookup(table: nn.Module, tokens: Tensor) -> Tensor:
 
 
 class Linear(nn.Linear):
+    def reset_parameters(self) -> None:
+        """Nothing: see Embedding."""
+
     def forward(self, x: Tensor) -> Tensor:
         return linear(x, self.weight)
+
+
+class Embedding(nn.Embedding):
+    def reset_parameters(self) -> None:
+        """Nothing: the model is built on the meta device and given a checkpoint's tensors
+        (loading.build_model), and torch's random initializers, run on meta tensors, import
+        dynamo (0.9 s of a fresh process's start, which compile_cache.import_compiler would
+        otherwise overlap with loading the weights)."""
 
 
 class RMSNorm(nn.Module):

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from . import cpu
 from .config import AttentionType, GemmaConfig, RopeConfig
 from .layers import (
+    Embedding,
     Linear,
     RMSNorm,
     library_attention,
@@ -361,14 +362,14 @@ class GemmaModel(nn.Module):
     def __init__(self, config: GemmaConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config)
         if width := config.hidden_size_per_layer_input:  # per-layer embeddings (3n, 4)
             total = config.num_hidden_layers * width
-            self.embed_tokens_per_layer = nn.Embedding(config.vocab_size_per_layer_input, total)
+            self.embed_tokens_per_layer = Embedding(config.vocab_size_per_layer_input, total)
             self.per_layer_model_projection = Linear(config.hidden_size, total, bias=False)
             self.per_layer_projection_norm = RMSNorm(width, config)
         if n := config.altup_num_inputs:

@@ -46,7 +46,7 @@ from torch import Tensor, nn
 
 from .config import GemmaConfig
 from .errors import GemmaEngineError, InvalidRequestError, UnsupportedModelError
-from .layers import Linear, lookup
+from .layers import Embedding, Linear, lookup
 from .model import GemmaForCausalLM
 
 # A backstop for a rank that is gone or stuck: the other ranks' next collective fails after
@@ -248,7 +248,7 @@ class Shard:
         config and the rank's rows of the embedding; ``config`` stays the model's own."""
         model = GemmaForCausalLM(self.local_config(config))
         model.config = model.model.config = config
-        model.model.embed_tokens = nn.Embedding(self.vocab, config.hidden_size)
+        model.model.embed_tokens = Embedding(self.vocab, config.hidden_size)
         if not config.tie_word_embeddings:
             model.lm_head = Linear(config.hidden_size, self.vocab, bias=False)
         return model

@@ -25,9 +25,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib
 import itertools
 import json
-from collections.abc import Callable
+import sys
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +41,53 @@ from . import compile_cache, cpu
 
 FOLDER = "graphs"  # inside the compile cache's folder
 SUFFIX = ".graph"
+# What a fresh process imports to load a saved graph (torch 2.13): dynamo, then these parts
+# of inductor and aot_autograd, ~1.6 s of Python on this project's 2-core VM.
+_LOADER_MODULES = (
+    "torch._dynamo",
+    "torch._dynamo.repro.after_dynamo",
+    "torch._inductor.compiler_bisector",
+    "torch._inductor.decomposition",
+    "torch._inductor.graph",
+    "torch.utils.cpp_extension",
+    "torch._functorch._aot_autograd.subclass_codegen",
+)
+
+
+@contextlib.contextmanager
+def compiler_imported_alongside() -> Iterator[None]:
+    """Import what loading a saved graph needs in a thread while the body runs (the weights
+    load), in a process that has not imported dynamo yet; joined on leaving.
+
+    Both are CPU work: the imports are Python on one core, holding the GIL; the loading is
+    mostly ATen copies and oneDNN's packing, on torch's threads with the GIL released. So
+    torch gets one thread fewer meanwhile, leaving the imports their core (on two cores a
+    second ATen thread would wait on it at every parallel loop), and the GIL changes hands
+    every 0.2 ms instead of 5, so that the loading gets it back soon after each ATen call.
+    A fresh ``gemma-run --quantize int8`` on the project's 2-core VM reached its 128th token
+    about 0.5 s sooner (BENCHMARKS.md). A name that no longer imports (another torch) is
+    skipped: the loader imports what it needs itself.
+    """
+    if "torch._dynamo" in sys.modules:  # a second engine, the tests: nothing left to overlap
+        yield
+        return
+
+    def run() -> None:
+        for name in _LOADER_MODULES:
+            with contextlib.suppress(Exception):
+                importlib.import_module(name)
+
+    thread = threading.Thread(target=run, name="gemma-engine-imports", daemon=True)
+    threads, interval = torch.get_num_threads(), sys.getswitchinterval()
+    torch.set_num_threads(max(1, threads - 1))
+    sys.setswitchinterval(min(interval, 2e-4))
+    thread.start()
+    try:
+        yield
+    finally:
+        thread.join()
+        sys.setswitchinterval(interval)
+        torch.set_num_threads(threads)
 
 
 @functools.cache
@@ -91,7 +141,13 @@ def load(path: Path) -> Callable | None:
     """The graph saved at ``path``, or None when there is none. A file that does not load
     raises BrokenGraph: the engine then clears the compile cache and builds it again."""
     try:
-        with open(path, "rb") as f:
+        # Inductor would preprocess its C++ wrapper's header again, to key a precompiled
+        # header that only a compile uses (0.17 s of a fresh process's start on two cores):
+        # the graph's shared objects are already built.
+        with (
+            open(path, "rb") as f,
+            torch._inductor.config.patch(cpp_cache_precompile_headers=False),
+        ):
             return torch.compiler.load_compiled_function(f)
     except FileNotFoundError:
         return None

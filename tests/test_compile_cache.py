@@ -125,6 +125,54 @@ def test_a_quantized_prompt_head_is_saved_whole(model, tmp_path):
     assert (head in native.stderr) == (packed_int8.backend() is None)
 
 
+FRESH_LOAD = """
+import json, sys, threading, torch
+from gemma_engine import loading
+from gemma_engine.engine import Engine
+
+assert "torch._dynamo" not in sys.modules, "importing the engine imported dynamo"
+threads, interval = torch.get_num_threads(), sys.getswitchinterval()
+during = []
+load = loading.load
+
+def watched(*args, **kwargs):
+    model = load(*args, **kwargs)
+    importer = [t for t in threading.enumerate() if t.name == "gemma-engine-imports"]
+    during.append((torch.get_num_threads(), sys.getswitchinterval(), len(importer)))
+    return model
+
+import gemma_engine.engine
+gemma_engine.engine.load = watched
+compile = sys.argv[2] == "compile"
+Engine.from_pretrained(sys.argv[1], compile=compile, max_seq_len=16, buckets=[16])
+print(json.dumps([compile, "torch._dynamo" in sys.modules, during[0], threads, interval]))
+assert not [t for t in threading.enumerate() if t.name == "gemma-engine-imports"]
+assert (torch.get_num_threads(), sys.getswitchinterval()) == (threads, interval)
+"""
+
+
+@pytest.mark.parametrize("compile", ["compile", "no-compile"])
+def test_a_fresh_process_imports_the_compiler_while_the_weights_load(model, compile):
+    """Dynamo and inductor (~1.6 s of imports in a fresh process) are imported in a thread
+    while the weights load (saved_graphs.compiler_imported_alongside), with one torch thread
+    fewer; afterwards the thread is gone and the settings are back. Building the model (on the
+    meta device) must not import dynamo itself: the loading would then wait for the thread."""
+    run = subprocess.run(
+        [sys.executable, "-c", FRESH_LOAD, str(model), compile],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    compiled, imported, during, threads, interval = json.loads(run.stdout)
+    if compiled:
+        assert imported  # by the thread, joined before from_pretrained returned
+        assert during == [max(1, threads - 1), pytest.approx(min(interval, 2e-4)), 1]
+    else:
+        assert not imported  # an eager engine never needs dynamo
+        assert during == [threads, interval, 0]
+
+
 def test_a_graph_that_cannot_be_saved_whole_is_compiled_as_usual(tmp_path, monkeypatch, capsys):
     """torch's ahead-of-time compile is experimental: where it fails, one warning, a marker
     that spares later processes the attempt, and None (the engine then compiles as usual)."""
