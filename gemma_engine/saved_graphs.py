@@ -64,9 +64,10 @@ def compiler_imported_alongside() -> Iterator[None]:
     torch gets one thread fewer meanwhile, leaving the imports their core (on two cores a
     second ATen thread would wait on it at every parallel loop), and the GIL changes hands
     every 0.2 ms instead of 5, so that the loading gets it back soon after each ATen call.
-    A fresh ``gemma-run --quantize int8`` on the project's 2-core VM reached its 128th token
-    about 0.5 s sooner (BENCHMARKS.md). A name that no longer imports (another torch) is
-    skipped: the loader imports what it needs itself.
+    ``from_pretrained`` of the default model in int8 took 1.8-1.9 s so, imports included,
+    against 2.6 s one after the other (the project's 2-core VM; BENCHMARKS.md, 2026-12-06). A
+    name that no longer imports (another torch) is skipped: the loader imports what it needs
+    itself.
     """
     if "torch._dynamo" in sys.modules:  # a second engine, the tests: nothing left to overlap
         yield
