@@ -464,13 +464,14 @@ class Int8Linear(QuantizedLinear):
         self.lanes = lanes
 
     def pack(self) -> None:
-        """Attach a GEMM library's packed copy (packed_int8.py) to the weight, whatever its
-        layout: products of a few rows (a batched step, an eager one) go through it. Packed
-        before the weight is blocked, the plain matrix is not rebuilt (0.17 s of a fresh
-        process's start for the default model's output layer)."""
-        plain = self.weight if self.lanes is None else unblock_int8(self.weight, self.out_features)
-        packed_int8.pack(plain, self.scale)
-        self.weight._gemma_packed = plain._gemma_packed
+        """Attach a GEMM library's packed copy (packed_int8.py) to the plain weight, which
+        to_kernel_layout then blocks, keeping the copy: products of a few rows (a batched
+        step, an eager one) go through it. Packing the plain matrix spares rebuilding it from
+        the blocked one (0.17 s of a fresh process's start for the default model's output
+        layer)."""
+        if self.lanes is not None:
+            raise RuntimeError("Int8Linear.pack: pack the plain weight, before to_kernel_layout")
+        packed_int8.pack(self.weight, self.scale)
         self.packed = True
 
     def saved_tensors(self) -> dict[str, Tensor]:
