@@ -45,7 +45,8 @@ from . import cpu
 STAMP = "stamp.json"
 # Inductor's answers about the vector instruction sets (see remember_vector_checks).
 VECTOR_CHECKS = "vector_checks.json"
-_checks_file: Path | None = None  # this process's, once use() found a folder
+_folder: Path | None = None  # this process's, once use() found one
+_checks_file: Path | None = None  # its vector checks, once a graph is built
 # Where torch logs a cached graph it could not load (then builds it anew), with a traceback each.
 _LOADERS = ("torch._inductor.codecache", "torch._functorch._aot_autograd.autograd_cache")
 
@@ -99,12 +100,16 @@ def use() -> Path | None:
     None when ``TORCHINDUCTOR_CACHE_DIR`` was set by the user or no folder can be made (then
     inductor's default applies, or, under a lowered capability, a sibling of it).
     """
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # importing inductor sets the default
     folder = root() / "inductor" / folder_name()
-    # A second engine in this process finds the folder the first one set.
-    ours = (os.path.abspath(default_cache_dir()), os.path.abspath(folder))
+    # A second engine in this process finds the folder the first one set. (Inductor is
+    # imported only where it is already: it imports Dynamo, ~1.1 s, which a process that
+    # loads its saved graphs never needs, see saved_graphs.py.)
+    ours = {os.path.abspath(folder)}
+    if "torch._inductor" in sys.modules:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        ours.add(os.path.abspath(default_cache_dir()))
     if current and os.path.abspath(current) not in ours:
         return None
     try:
@@ -114,8 +119,16 @@ def use() -> Path | None:
         cpu.isolate_compile_cache()
         return None
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
-    remember_vector_checks(folder)
+    global _folder
+    _folder = folder
     return folder
+
+
+def before_compiling() -> None:
+    """Called before the engine builds a graph: from then on inductor's vector checks are
+    answered from this process's folder (remember_vector_checks), once use() has found one."""
+    if _folder is not None:
+        remember_vector_checks(_folder)
 
 
 def remember_vector_checks(folder: Path) -> None:

@@ -87,6 +87,8 @@ class Engine:
         self.speculator: Speculator | None = None  # speculative decoding (speculative.py)
         self._saved: Path | None = None  # where whole graphs are saved (saved_graphs.py)
         self._graphs: dict[tuple[int, int], Callable] = {}  # (batch, kv) -> its graph
+        self._compiled: Callable | None = None  # torch.compile's model (_torch_compiled)
+        self._head_compiled: Callable | None = None  # and its output layer (_compiled_head)
         self._heads: dict[tuple[int, ...], Callable] = {}  # hidden's shape -> the prompt head
         if compile:
             folder = compile_cache.use()  # graphs built here are found again by the next process
@@ -97,13 +99,8 @@ class Engine:
             # in the process, so the limit grows by this engine's pairs.
             # (Dynamo's and inductor's settings are per thread: step() applies them.)
             Engine._graphs_allowed += len(buckets) * len(batch_buckets(max_batch))
-            for layer in model.model.layers:  # CUDA graphs may keep these addresses fixed
-                if (cache := layer.self_attn.cache) is not None:  # KV-shared layers have none
-                    torch._dynamo.mark_static_address(cache.k)
-                    torch._dynamo.mark_static_address(cache.v)
-            self._compiled = torch.compile(
-                model, mode="reduce-overhead", fullgraph=True, dynamic=False
-            )
+            if self._saved is None:  # else made only if a graph cannot be saved (Dynamo, ~1 s)
+                self._torch_compiled()
         self._head = model.logits
         self._head_compiles = False  # True: a prompt's logits come from compiled graphs
         head = model.output_layer()
@@ -116,7 +113,6 @@ class Engine:
             # int8 output layer with a library's packed copy (packed_int8.py, on x86 CPUs):
             # ~9 ms eagerly, where loading a saved graph for it took ~1 s of a fresh
             # process's start.
-            self._head = torch.compile(model.logits, fullgraph=True, dynamic=False)
             self._head_compiles = True
         self.scheduler = Scheduler(self)
 
@@ -160,21 +156,18 @@ class Engine:
                 "speculative decoding does not run under tensor parallelism yet; drop "
                 "--speculate (speculate=...) or run one process"
             )
-        # Dynamo and inductor are imported while the weights load (saved_graphs.py).
-        importing = compile is not False and device.type == "cpu"
-        with saved_graphs.compiler_imported_alongside() if importing else contextlib.nullcontext():
-            loaded = load(
-                model,
-                device=device,
-                dtype=dtype,
-                max_seq_len=max_seq_len,
-                buckets=buckets,
-                quantize=quantize,
-                group_size=group_size,
-                max_batch=max_batch,
-                prefill_chunk=prefill_chunk,
-                ranks=ranks,
-            )
+        loaded = load(
+            model,
+            device=device,
+            dtype=dtype,
+            max_seq_len=max_seq_len,
+            buckets=buckets,
+            quantize=quantize,
+            group_size=group_size,
+            max_batch=max_batch,
+            prefill_chunk=prefill_chunk,
+            ranks=ranks,
+        )
         engine = cls(
             loaded.model,
             loaded.tokenizer,
@@ -263,67 +256,97 @@ class Engine:
         if not self.compile:
             return self.model(tokens, input_pos, kv_len, rows)
         graph = self._graphs.get((B, kv_len))
-        if isinstance(graph, saved_graphs.Bound) and graph.checked:
-            # Loaded and checked: the settings below only matter to a graph that may still
-            # compile (44 us a step to enter them).
+        if isinstance(graph, saved_graphs.Bound):  # C++ alone, no settings to enter
             return graph(tokens, input_pos, kv_len, rows)
+        if graph is not None:
+            with self._compile_settings():
+                return graph(tokens, input_pos, kv_len, rows)
+        what = f"the decode graph for {B} row{'s' * (B > 1)} and kv bucket {kv_len}"
+        self._tell(f"compiling {what} (once per bucket; {_CACHE_NOTE})")
+        args = (tokens, input_pos, kv_len, rows)
+        forward = type(self.model).forward
+        graph, logits, seconds = self._first_call(what, forward, args, self._torch_compiled)
+        self._graphs[(B, kv_len)] = graph
+        self.compile_seconds[(B, kv_len)] = seconds
+        return logits
+
+    def _torch_compiled(self) -> Callable:
+        """torch.compile's wrapper of the model (made once): CUDA, tensor parallelism, and a
+        CPU graph that cannot be saved whole (saved_graphs.py)."""
+        if self._compiled is None:
+            compile_cache.before_compiling()
+            for layer in self.model.model.layers:  # CUDA graphs may keep these addresses fixed
+                if (cache := layer.self_attn.cache) is not None:  # KV-shared layers have none
+                    torch._dynamo.mark_static_address(cache.k)
+                    torch._dynamo.mark_static_address(cache.v)
+            self._compiled = torch.compile(
+                self.model, mode="reduce-overhead", fullgraph=True, dynamic=False
+            )
+        return self._compiled
+
+    def _compiled_head(self) -> Callable:
+        if self._head_compiled is None:
+            compile_cache.before_compiling()
+            self._head_compiled = torch.compile(self.model.logits, fullgraph=True, dynamic=False)
+        return self._head_compiled
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _compile_settings() -> Iterator[None]:
+        """Inductor's settings for the engine's graphs and Dynamo's graph limits (both per
+        thread), around every call of a graph that torch.compile may still build."""
         limit = max(Engine._graphs_allowed, 8)
         limits = dict(recompile_limit=limit, accumulated_recompile_limit=max(limit, 256))
         with cpu.compile_config(), torch._dynamo.config.patch(limits):
-            if graph is not None:
-                return graph(tokens, input_pos, kv_len, rows)
-            what = f"the decode graph for {B} row{'s' * (B > 1)} and kv bucket {kv_len}"
-            self._tell(f"compiling {what} (once per bucket; {_CACHE_NOTE})")
-            args = (tokens, input_pos, kv_len, rows)
-            forward = type(self.model).forward
-            graph, logits, seconds = self._first_call(what, forward, args, self._compiled)
-            self._graphs[(B, kv_len)] = graph
-            self.compile_seconds[(B, kv_len)] = seconds
-            return logits
+            yield
 
     def _first_call(
-        self, what: str, function: Callable, args: tuple, compiled: Callable
+        self, what: str, function: Callable, args: tuple, compiled: Callable[[], Callable]
     ) -> tuple[Callable, Tensor, float]:
         """Get the graph of ``function(model, *args)`` and make its first call: (the graph, its
-        result, seconds). On a CPU the graph is loaded whole when saved, else traced, compiled
-        (or its code found in the compile cache) and saved; elsewhere, or where it cannot be
-        saved, ``compiled`` (torch.compile's wrapper of it, taking ``args``) builds it in its
-        first call. Says when it is ready and where it came from; if the compile cache gave a
-        broken graph, clears the cache and builds it again."""
+        result, seconds). On a CPU the graph is loaded whole when saved, else built ahead of
+        time and saved (saved_graphs.py); elsewhere, or where it cannot be saved, ``compiled()``
+        (torch.compile's wrapper of it, taking ``args``) builds it in its first call. Says when
+        it is ready and where it came from; if the compile cache gave a broken graph, clears
+        the cache and builds it again."""
 
-        def make() -> tuple[Callable, bool]:  # (the graph, whether loaded whole)
+        def make() -> tuple[Callable, str | None]:  # (the graph, where it came from)
             if self._saved is not None:
-                if (got := saved_graphs.get(self._saved, self.model, function, args)) is not None:
-                    return got
-            return compiled, False
+                got = saved_graphs.get(self._saved, self.model, function, args)
+                if got is not None:
+                    graph, loaded = got
+                    return graph, "from the compile cache" if loaded else "compiled"
+            return compiled(), None
 
-        from torch._dynamo.utils import counters
+        def call(graph: Callable, source: str | None) -> tuple[Tensor, str]:
+            if source is not None:
+                return graph(*args), source
+            from torch._dynamo.utils import counters
 
-        hits = counters["inductor"]["fxgraph_cache_hit"]
+            hits = counters["inductor"]["fxgraph_cache_hit"]
+            with self._compile_settings():
+                out = graph(*args)
+            cached = counters["inductor"]["fxgraph_cache_hit"] > hits
+            return out, "traced, its code from the compile cache" if cached else "compiled"
+
         start = time.perf_counter()
         try:
             with compile_cache.watch_loads() as failures:
-                graph, loaded = make()
-                out = graph(*args)
+                graph, source = make()
+                out, source = call(graph, source)
             if failures:
                 raise compile_cache.BrokenEntries(failures)
         except Exception as err:  # a cached graph that did not load, or does not run
             if not compile_cache.recover(err):
                 raise
-            hits = counters["inductor"]["fxgraph_cache_hit"]
             # The process's graphs are gone: announce them again.
             self.compile_seconds.clear()
             self._graphs.clear()
             self._heads.clear()
-            graph, loaded = make()
-            out = graph(*args)  # a step is idempotent: it writes the same cache entries again
+            graph, source = make()
+            # A step is idempotent: it writes the same cache entries again.
+            out, source = call(graph, source)
         seconds = time.perf_counter() - start
-        if loaded:
-            source = "from the compile cache"
-        elif counters["inductor"]["fxgraph_cache_hit"] > hits:
-            source = "traced, its code from the compile cache"
-        else:
-            source = "compiled"
         self._tell(f"{what} is ready ({seconds:.1f} s, {source})")
         return graph, out, seconds
 
@@ -341,16 +364,18 @@ class Engine:
         """Logits of the last prompt position (1, 1, vocab)."""
         if not self._head_compiles:
             return self._head(hidden)
-        with cpu.compile_config():
-            head = self._heads.get(tuple(hidden.shape))
-            if head is not None:
+        head = self._heads.get(tuple(hidden.shape))
+        if isinstance(head, saved_graphs.Bound):
+            return head(hidden)
+        if head is not None:
+            with self._compile_settings():
                 return head(hidden)
-            what = "the output layer for prompts"
-            self._tell(f"compiling {what} (once per process; {_CACHE_NOTE})")
-            logits_of = type(self.model).logits
-            head, logits, _ = self._first_call(what, logits_of, (hidden,), self._head)
-            self._heads[tuple(hidden.shape)] = head
-            return logits
+        what = "the output layer for prompts"
+        self._tell(f"compiling {what} (once per process; {_CACHE_NOTE})")
+        logits_of = type(self.model).logits
+        head, logits, _ = self._first_call(what, logits_of, (hidden,), self._compiled_head)
+        self._heads[tuple(hidden.shape)] = head
+        return logits
 
     def precompile(self, kv_lens: list[int] | None = None, batch: int = 1) -> list[int]:
         """Build now the decode graphs of ``batch`` rows for ``kv_lens`` (default: the first

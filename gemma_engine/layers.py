@@ -145,8 +145,8 @@ class Embedding(nn.Embedding):
     def reset_parameters(self) -> None:
         """Nothing: the model is built on the meta device and given a checkpoint's tensors
         (loading.build_model), and torch's random initializers, run on meta tensors, import
-        dynamo (0.9 s): the loading would wait for the thread that imports it meanwhile
-        (saved_graphs.compiler_imported_alongside)."""
+        Dynamo (0.9 s), which a process that loads its saved graphs never needs otherwise
+        (saved_graphs.py)."""
 
 
 class RMSNorm(nn.Module):

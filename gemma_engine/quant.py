@@ -420,9 +420,10 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         # The dtype's name, not the dtype: torch 2.13's saving of a compiled graph's guards
-        # (saved_graphs.py) marks the unread attributes of a module as missing by object
-        # identity, and dtypes are singletons, so an unread dtype attribute turned every
-        # tensor of that dtype in the saved guards into a "missing" value that does not load.
+        # (Dynamo's ahead-of-time compile, which saved_graphs.py used before AOTInductor)
+        # marks the unread attributes of a module as missing by object identity, and dtypes
+        # are singletons, so an unread dtype attribute turned every tensor of that dtype in the
+        # saved guards into a "missing" value that does not load.
         self._dtype_name = str(dtype).removeprefix("torch.")
 
     @property

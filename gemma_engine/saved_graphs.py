@@ -1,23 +1,31 @@
-"""Compiled graphs saved whole, so that a new process loads them without tracing the model.
+"""Compiled graphs saved whole, so that a new process loads them without torch's compiler.
 
 The compile cache (compile_cache.py) spares a second process inductor's work but not Dynamo's:
 a graph's first call still traces the model's Python before the cached code is found, 5-8 s
-per graph for the default model on two cores. torch's ahead-of-time compile
-(``torch.compile(...).aot_compile``, experimental in 2.13) keeps the traced graph, its guards
-and the generated code in one file, and loading that file skips the tracing (BENCHMARKS.md has
-the figures).
+per graph for the default model on two cores. So each CPU graph is built ahead of time with
+AOTInductor: ``torch.export`` traces ``function(model, *args)`` once, and
+``torch._inductor.aoti_compile_and_package`` compiles the program, its C++ wrapper included,
+into one package file (a zip holding a shared object). Loading the package is C++ alone
+(``torch._C._aoti.AOTIModelPackageLoader``): no Dynamo, no guards, no Python between the
+kernels. Against the graphs that Dynamo's own ahead-of-time compile saved before (2026-12-06,
+the default model in int8, one token at kv bucket 128, the project's 2-core VM): the same
+logits bit for bit, a step 8.3 against 9.5 ms (the inputs are three small tensors instead of
+~400, the weights being the package's constants), and a fresh process imports neither Dynamo
+nor inductor (~1.1-1.9 s of Python) nor rebuilds guards (~0.6 s) before its first token.
 
 A saved graph lives in the compile cache's folder (keyed by torch, CPU and Python), under a
 name that hashes what decides the traced graph: the engine's own source, the model's config,
-the names, shapes and dtypes of its parameters and buffers, the function, its arguments'
-shapes and values, the thread count (inductor writes it into its loops) and the output
-layer's kernel (cpu.LIBRARY_GEMV_FOR_OUTPUT). The weights are inputs of the graph, not
-constants in it, so another checkpoint of the same shapes loads the same file. Like
-inductor's own cache entries, the file is a pickle: it is only ever read from that folder,
-which this engine writes, never from a file a user or a request names.
+the names, shapes, strides and dtypes of its parameters and buffers, the function, its
+arguments' shapes and values, the thread count (inductor writes it into its loops) and the
+output layer's kernel (cpu.LIBRARY_GEMV_FOR_OUTPUT). The package holds no weights: the model's
+own parameters and buffers are handed to it as user-managed constants (used in place, not
+copied), so another checkpoint of the same shapes loads the same file and the decode step
+writes the model's KV cache buffers in place, as the eager model does. The engine allocates
+those tensors once; a graph is bound to the tensors it was given.
 
 Used for CPU graphs in one process. CUDA (whose graphs need ``mode="reduce-overhead"``) and
-tensor parallelism (collectives inside the graph) keep torch.compile's usual path.
+tensor parallelism (collectives inside the graph) keep torch.compile's usual path, as does a
+graph that cannot be exported (a marker file remembers it).
 """
 
 from __future__ import annotations
@@ -25,12 +33,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import importlib
 import itertools
 import json
-import sys
-import threading
-from collections.abc import Callable, Iterator
+import os
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,55 +47,7 @@ from torch import Tensor
 from . import compile_cache, cpu
 
 FOLDER = "graphs"  # inside the compile cache's folder
-SUFFIX = ".graph"
-# What a fresh process imports to load a saved graph (torch 2.13): dynamo, then these parts
-# of inductor and aot_autograd, ~1.6 s of Python on this project's 2-core VM.
-_LOADER_MODULES = (
-    "torch._dynamo",
-    "torch._dynamo.repro.after_dynamo",
-    "torch._inductor.compiler_bisector",
-    "torch._inductor.decomposition",
-    "torch._inductor.graph",
-    "torch.utils.cpp_extension",
-    "torch._functorch._aot_autograd.subclass_codegen",
-)
-
-
-@contextlib.contextmanager
-def compiler_imported_alongside() -> Iterator[None]:
-    """Import what loading a saved graph needs in a thread while the body runs (the weights
-    load), in a process that has not imported dynamo yet; joined on leaving.
-
-    Both are CPU work: the imports are Python on one core, holding the GIL; the loading is
-    mostly ATen copies and oneDNN's packing, on torch's threads with the GIL released. So
-    torch gets one thread fewer meanwhile, leaving the imports their core (on two cores a
-    second ATen thread would wait on it at every parallel loop), and the GIL changes hands
-    every 0.2 ms instead of 5, so that the loading gets it back soon after each ATen call.
-    ``from_pretrained`` of the default model in int8 took 1.8-1.9 s so, imports included,
-    against 2.6 s one after the other (the project's 2-core VM; BENCHMARKS.md, 2026-12-06). A
-    name that no longer imports (another torch) is skipped: the loader imports what it needs
-    itself.
-    """
-    if "torch._dynamo" in sys.modules:  # a second engine, the tests: nothing left to overlap
-        yield
-        return
-
-    def run() -> None:
-        for name in _LOADER_MODULES:
-            with contextlib.suppress(Exception):
-                importlib.import_module(name)
-
-    thread = threading.Thread(target=run, name="gemma-engine-imports", daemon=True)
-    threads, interval = torch.get_num_threads(), sys.getswitchinterval()
-    torch.set_num_threads(max(1, threads - 1))
-    sys.setswitchinterval(min(interval, 2e-4))
-    thread.start()
-    try:
-        yield
-    finally:
-        thread.join()
-        sys.setswitchinterval(interval)
-        torch.set_num_threads(threads)
+SUFFIX = ".pt2"
 
 
 @functools.cache
@@ -100,18 +59,6 @@ def _source_digest() -> str:
     return digest.hexdigest()
 
 
-def inductor_settings() -> contextlib.AbstractContextManager:
-    """Inductor's C++ wrapper for the saved graphs: the Python function that calls a graph's
-    kernels (inductor's default wrapper) checks each of the ~400 weights' sizes, makes ~900
-    views of its buffers and deletes ~1400 names at every call, ~1.1 ms of a ~17.9 ms int8
-    decode step of the default model (2026-12-06, four alternating pairs of fresh processes,
-    300 steps each: 17.5-18.5 against 16.2-17.2 ms); compiled C++ does the same in microseconds.
-    It costs a longer first compile (the default model's int8 decode graph: 108 against 84 s)
-    and nothing measurable for the tests' tiny models. Only here: torch.compile's own path
-    (CUDA graphs, tensor parallelism's collectives) keeps the Python wrapper."""
-    return torch._inductor.config.patch(cpp_wrapper=True)
-
-
 def _describe(value: Any) -> Any:
     if isinstance(value, Tensor):
         return ["tensor", list(value.shape), list(value.stride()), str(value.dtype)]
@@ -120,65 +67,53 @@ def _describe(value: Any) -> Any:
     raise TypeError(f"a saved graph's argument must be a tensor or a plain value, not {value!r}")
 
 
+def _tensors(model: torch.nn.Module) -> dict[str, Tensor]:
+    return dict(itertools.chain(model.named_parameters(), model.named_buffers()))
+
+
 def file_name(model: torch.nn.Module, function: Callable, args: tuple) -> str:
-    """The name of the saved graph of ``function(model, *args)``."""
-    tensors = itertools.chain(model.named_parameters(), model.named_buffers())
+    """The name of the saved graph of ``function(model, *args)``.
+
+    Inductor's settings (cpu.compile_config) are not read here: importing inductor would
+    import Dynamo (~1.1 s) in a process that only loads. They follow from what the cache
+    folder's key holds (the capability, ``TORCHINDUCTOR_CPP_MARCH``), except GCC's version,
+    which decides only whether a faster move width is used under AVX2."""
     key = {
         "source": _source_digest(),
         "config": repr(getattr(model, "config", None)),
-        "tensors": [[name, list(t.shape), str(t.dtype)] for name, t in tensors],
+        "tensors": [[name, _describe(t)] for name, t in _tensors(model).items()],
         "function": function.__qualname__,
         "args": [_describe(a) for a in args],
         "threads": torch.get_num_threads(),
-        "march": str(torch._inductor.config.cpp.march),
-        "contract": torch._inductor.config.cpp.enable_floating_point_contract_flag,
         "output_gemv": cpu.LIBRARY_GEMV_FOR_OUTPUT,
+        "format": "aoti-1",
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
     return f"{function.__name__}-{digest}{SUFFIX}"
 
 
-def load(path: Path) -> Callable | None:
-    """The graph saved at ``path``, or None when there is none. A file that does not load
-    raises BrokenGraph: the engine then clears the compile cache and builds it again."""
-    try:
-        # Inductor would preprocess its C++ wrapper's header again, to key a precompiled
-        # header that only a compile uses (0.17 s of a fresh process's start on two cores):
-        # the graph's shared objects are already built.
-        with (
-            open(path, "rb") as f,
-            torch._inductor.config.patch(cpp_cache_precompile_headers=False),
-        ):
-            return torch.compiler.load_compiled_function(f)
-    except FileNotFoundError:
-        return None
-    except Exception as err:
-        raise BrokenGraph(f"{path.name}: {type(err).__name__}: {err}") from err
-
-
 class Bound:
-    """A saved graph bound to its model, checking dynamo's guards on its first call only.
+    """A saved graph bound to its model's tensors, called with ``function``'s arguments.
 
-    The guards check that the model's tensors (about 400 for the default model) and the
-    arguments still have the shapes, dtypes and devices that were traced: 0.2 ms per call, and
-    0.2-0.8 ms of a 16.5 ms int8 decode step (the check also evicts cached lines). Once a call
-    has passed them, nothing the engine does changes them: it allocates the model's tensors
-    once and keys each graph on its arguments' shapes (the engine checks their dtypes and
-    device itself, see Engine.step), so later calls skip the check.
-    """
+    The plain arguments (the kv bucket) are part of the graph; the tensors are its inputs,
+    checked against the shapes it was built for (the engine checks their dtype and device
+    itself, see Engine.step). The model's parameters and buffers are the package's constants,
+    read and written in place: the model must keep them (it allocates them once)."""
 
-    def __init__(self, graph: Callable, model: torch.nn.Module) -> None:
-        self.graph = graph
-        self.model = model
-        self.checked = False
+    def __init__(self, loader: Any, model: torch.nn.Module, args: tuple) -> None:
+        self.loader = loader
+        self.model = model  # keeps the constants alive as long as the graph
+        self.positions = tuple(i for i, a in enumerate(args) if isinstance(a, Tensor))
+        self.shapes = tuple(args[i].shape for i in self.positions)
 
-    def __call__(self, *args: Any) -> Any:
-        if self.checked:
-            return self.graph(self.model, *args)
-        with inductor_settings():  # a first call may still load the graph's code
-            out = self.graph(self.model, *args)
-        self.graph.disable_guard_check()
-        self.checked = True
+    def __call__(self, *args: Any) -> Tensor:
+        inputs = [args[i] for i in self.positions]
+        shapes = tuple(t.shape for t in inputs)
+        if shapes != self.shapes:
+            raise ValueError(
+                f"a saved graph built for inputs of shapes {self.shapes} was called with {shapes}"
+            )
+        (out,) = self.loader.run(inputs)
         return out
 
 
@@ -186,46 +121,108 @@ class BrokenGraph(Exception):
     """A saved graph that does not load (damaged, or written by other code)."""
 
 
-def build(model: torch.nn.Module, function: Callable, args: tuple) -> Callable:
-    """Trace and compile ``function(model, *args)`` ahead of time (one graph, these shapes)."""
-    with torch._dynamo.config.patch(enable_aot_compile=True):
-        compiled = torch.compile(function, fullgraph=True, dynamic=False)
-    return compiled.aot_compile(((model, *args), {}))
+def load(path: Path, model: torch.nn.Module, args: tuple) -> Bound | None:
+    """The graph saved at ``path`` bound to ``model``, or None when there is none. A file
+    that does not load raises BrokenGraph: the engine then clears the compile cache and
+    builds it again."""
+    if not path.is_file():
+        return None
+    try:
+        # (model name, one runner, run with OpenMP as built, the CPU)
+        loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        tensors = _tensors(model)
+        constants = {}
+        for name in loader.get_constant_fqns():
+            own = name.removeprefix("model.")
+            if own not in tensors:
+                raise KeyError(f"the graph's constant {name} is not one of the model's tensors")
+            constants[name] = tensors[own]
+        # Used in place (user-managed), not copied; every constant given (a full update).
+        loader.load_constants(constants, False, True, True)
+    except Exception as err:
+        raise BrokenGraph(f"{path.name}: {type(err).__name__}: {err}") from err
+    return Bound(loader, model, args)
 
 
-def save(graph: Callable, path: Path) -> None:
-    """Write ``graph`` to ``path`` (through a temporary name in the same folder, then renamed:
-    torch's own writer does both)."""
+class _Call(torch.nn.Module):
+    """``function(model, *args)`` as a module taking only the tensor arguments."""
+
+    def __init__(self, model: torch.nn.Module, function: Callable, args: tuple) -> None:
+        super().__init__()
+        self.model = model
+        self.function = function
+        # The plain arguments, with None where a tensor is given at each call.
+        self.plain = tuple(None if isinstance(a, Tensor) else a for a in args)
+        self.given = tuple(isinstance(a, Tensor) for a in args)
+
+    def forward(self, *tensors: Tensor) -> Tensor:
+        given = iter(tensors)
+        args = [next(given) if g else a for g, a in zip(self.given, self.plain, strict=True)]
+        return self.function(self.model, *args)
+
+
+def build(model: torch.nn.Module, function: Callable, args: tuple, path: Path) -> None:
+    """Trace ``function(model, *args)`` (one graph, these shapes) and compile it into a package
+    at ``path`` (through a temporary name in the same folder, then renamed)."""
+    import torch._inductor  # (imports Dynamo: only a process that builds a graph needs it)
+
+    compile_cache.before_compiling()
+    call = _Call(model, function, args)
+    inputs = tuple(a for a in args if isinstance(a, Tensor))
     path.parent.mkdir(parents=True, exist_ok=True)
-    graph.save_compiled_function(str(path))
+    partial = path.with_name(f".{path.stem}.partial-{os.getpid()}{SUFFIX}")  # aoti: .pt2
+    try:
+        with torch.no_grad(), cpu.compile_config(), warnings.catch_warnings():
+            # (torch 2.13's packaging pickles a tree spec through a deprecated check, which
+            # warns on every build: torch's business, not the user's)
+            warnings.filterwarnings("ignore", category=FutureWarning)
+            program = torch.export.export(call, inputs, strict=False)
+            torch._inductor.aoti_compile_and_package(
+                program,
+                package_path=str(partial),
+                inductor_configs={
+                    # No weights in the file: the model's tensors are given at load (load()).
+                    "aot_inductor.package_constants_in_so": False,
+                    # Inductor writes a 1-D tensor of at most 8 values into the code as
+                    # numbers (a small bias): it would keep the building model's values.
+                    "always_keep_tensor_constants": True,
+                },
+            )
+        signature = program.graph_signature
+        owners = {**signature.inputs_to_parameters, **signature.inputs_to_buffers}
+        lifted = {  # "model.<the model's name>", for each one the graph reads
+            owners[node.name]
+            for node in program.graph.nodes
+            if node.op == "placeholder" and node.name in owners and node.users
+        }
+        loader = torch._C._aoti.AOTIModelPackageLoader(str(partial), "model", False, 1, -1)
+        if missing := lifted - set(loader.get_constant_fqns()):
+            raise RuntimeError(f"the package holds the model's {sorted(missing)[0]} as its own")
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def get(
     folder: Path, model: torch.nn.Module, function: Callable, args: tuple
-) -> tuple[Callable, bool] | None:
+) -> tuple[Bound, bool] | None:
     """``function`` compiled for ``args`` and bound to ``model``, with whether it was loaded:
-    loaded from ``folder`` when saved there, else built, saved, and loaded back once to check
-    that it can be. None when this graph cannot be saved whole (torch's ahead-of-time compile
-    is experimental): the caller then compiles it as usual, and a marker file beside the
-    graph's name keeps later processes from trying again."""
+    loaded from ``folder`` when saved there, else built, saved, and loaded back (as the next
+    process will). None when this graph cannot be built ahead of time (``torch.export``
+    refuses what it cannot trace as one graph): the caller then compiles it as usual, and a
+    marker file beside the graph's name keeps later processes from trying again."""
     path = folder / FOLDER / file_name(model, function, args)
     marker = path.with_suffix(".unsaved")
     if marker.exists():
         return None
-    with inductor_settings():
-        return _get(path, marker, model, function, args)
-
-
-def _get(
-    path: Path, marker: Path, model: torch.nn.Module, function: Callable, args: tuple
-) -> tuple[Callable, bool] | None:
-    graph = load(path)
+    graph = load(path, model, args)
     if graph is not None:
-        return Bound(graph, model), True
+        return graph, True
     try:
-        graph = build(model, function, args)
-        save(graph, path)
-        load(path)  # what the next process will do
+        build(model, function, args, path)
+        graph = load(path, model, args)
+        if graph is None:
+            raise FileNotFoundError(f"{path} was not written")
     except Exception as err:
         path.unlink(missing_ok=True)
         reason = " ".join(f"{type(err).__name__}: {err}".split())[:240]
@@ -237,4 +234,4 @@ def _get(
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.write_text(reason + "\n")
         return None
-    return Bound(graph, model), False
+    return graph, False

@@ -687,7 +687,7 @@ def launch(name: str, spec_path: Path, phase: str, cache_dir: Path, args, log_di
     env = dict(os.environ)
     if name.startswith("engine"):
         # The engine's own cache folder, as gemma-run uses it: inductor's caches, the graphs it
-        # saves whole (loaded without tracing, guards checked once) and its quantized weights.
+        # saves whole (AOTInductor packages, loaded without tracing) and its quantized weights.
         # Pointing TORCHINDUCTOR_CACHE_DIR elsewhere makes the engine leave all of that alone
         # (compile_cache.use): a path no default run takes, which this harness measured until
         # 2026-12-06 (int8 at 128, same code minutes apart: 81.8 tok/s that way, 89.4 here).

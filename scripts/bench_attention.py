@@ -5,7 +5,7 @@ key head of 256; 18 layers, each with its own random cache).
     .venv/bin/python scripts/bench_attention.py [--keys 256,544,1024,4096] [--capability avx2]
 
 Each form runs the 18 layers' attention in one graph, built and called the way the engine calls
-a decode step (saved_graphs: ahead-of-time compiled, inductor's C++ wrapper), each layer's query
+a decode step (saved_graphs: an AOTInductor package, C++ from end to end), each layer's query
 depending on the layer before. Rounds alternate between the forms; prints the median
 microseconds per layer and the keys and values read per second. Keys are stored positions: 544
 is a sliding layer's ring at 1k positions and more.
