@@ -99,8 +99,7 @@ def pack(weight: Tensor, scale: Tensor, library: str | None = None) -> None:
         raise ValueError(f"no int8 GEMM library {library!r}")
 
 
-@torch.library.custom_op("gemma_engine::packed_int8_product", mutates_args=())
-def _product(ints: Tensor, weight: Tensor, n: int) -> Tensor:
+def _library_product(ints: Tensor, weight: Tensor, n: int) -> Tensor:
     """ints (M, K) float holding integers in [-64, 64] -> (M, N): ints @ (int8 * scale).T,
     the int8 matrix being the one packed onto ``weight`` (of any layout), N = ``n``."""
     packed = getattr(weight, "_gemma_packed", None)
@@ -115,6 +114,14 @@ def _product(ints: Tensor, weight: Tensor, n: int) -> Tensor:
     return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
         ints.contiguous(), 1.0, ZERO_POINT, packed[1]
     )
+
+
+# The same as an operator a compiled graph can call. Eager calls skip it: torch runs a custom
+# operator's body under a Dynamo guard whose first call imports Dynamo (1.2 s, the first
+# prompt's logits of every fresh int8 process, which loads its graphs without it).
+_product = torch.library.custom_op("gemma_engine::packed_int8_product", mutates_args=())(
+    _library_product
+)
 
 
 @_product.register_fake
@@ -137,7 +144,8 @@ def product(x: Tensor, weight: Tensor, n: int | None = None) -> Tensor:
         parts.append(q)
         r = (r - q) * 128  # exact: |r - q| <= 1/2 and the scaling is by a power of two
     ints = torch.stack(parts, 1).reshape(-1, k)  # (M * ROWS, K)
-    out = _product(ints, weight, n).view(rows.shape[0], ROWS, n)
+    call = _product if torch.compiler.is_compiling() else _library_product
+    out = call(ints, weight, n).view(rows.shape[0], ROWS, n)
     acc = out[:, ROWS - 1]
     for i in range(ROWS - 2, -1, -1):  # the smallest parts first
         acc = out[:, i] + acc / 128

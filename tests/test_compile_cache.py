@@ -132,7 +132,7 @@ from gemma_engine.engine import Engine
 
 compile = sys.argv[2] == "compile"
 engine = Engine.from_pretrained(
-    sys.argv[1], compile=compile, max_seq_len=16, buckets=[16], max_batch=1
+    sys.argv[1], compile=compile, max_seq_len=16, buckets=[16], max_batch=1, quantize=sys.argv[3]
 )
 text = engine.generate("The quick brown fox", max_new_tokens=8).token_ids
 compiler = [name for name in ("torch._dynamo", "torch._inductor") if name in sys.modules]
@@ -144,11 +144,14 @@ def test_a_process_that_loads_its_saved_graphs_never_imports_the_compiler(model,
     """A saved graph loads through AOTInductor's C++ loader (saved_graphs.py), so a fresh
     process whose graphs are saved imports neither Dynamo nor inductor (~1.1-1.9 s of Python
     on two cores), and neither does an eager engine. Building the model on the meta device
-    must not import them either (torch's initializers would: layers.Embedding)."""
-    texts = []
-    for compile in ("compile", "no-compile"):
+    must not import them either (torch's initializers would: layers.Embedding), nor may an
+    int8 prompt's logits through a library's packed copy (torch's custom operators import
+    Dynamo when called: packed_int8.product)."""
+    gemma_run(model, warm_cache, "--precompile", "--quantize", "int8")
+    texts = {}
+    for compile, quantize in [("compile", "none"), ("no-compile", "none"), ("compile", "int8")]:
         run = subprocess.run(
-            [sys.executable, "-c", FRESH_LOAD, str(model), compile],
+            [sys.executable, "-c", FRESH_LOAD, str(model), compile, quantize],
             capture_output=True,
             text=True,
             timeout=300,
@@ -159,10 +162,10 @@ def test_a_process_that_loads_its_saved_graphs_never_imports_the_compiler(model,
         )
         assert run.returncode == 0, run.stderr
         text, graphs, compiler = json.loads(run.stdout)
-        assert compiler == [], compile
+        assert compiler == [], (compile, quantize)
         assert graphs == ([[1, 16]] if compile == "compile" else [])
-        texts.append(text)
-    assert texts[0] == texts[1]
+        texts[compile, quantize] = text
+    assert texts["compile", "none"] == texts["no-compile", "none"]
 
 
 def test_a_graph_that_cannot_be_saved_whole_is_compiled_as_usual(tmp_path, monkeypatch, capsys):
