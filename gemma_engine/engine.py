@@ -262,10 +262,11 @@ class Engine:
             with self._compile_settings():
                 return graph(tokens, input_pos, kv_len, rows)
         what = f"the decode graph for {B} row{'s' * (B > 1)} and kv bucket {kv_len}"
-        self._tell(f"compiling {what} (once per bucket; {_CACHE_NOTE})")
         args = (tokens, input_pos, kv_len, rows)
         forward = type(self.model).forward
-        graph, logits, seconds = self._first_call(what, forward, args, self._torch_compiled)
+        graph, logits, seconds = self._first_call(
+            what, "once per bucket", forward, args, self._torch_compiled
+        )
         self._graphs[(B, kv_len)] = graph
         self.compile_seconds[(B, kv_len)] = seconds
         return logits
@@ -301,21 +302,31 @@ class Engine:
             yield
 
     def _first_call(
-        self, what: str, function: Callable, args: tuple, compiled: Callable[[], Callable]
+        self,
+        what: str,
+        how_often: str,
+        function: Callable,
+        args: tuple,
+        compiled: Callable[[], Callable],
     ) -> tuple[Callable, Tensor, float]:
         """Get the graph of ``function(model, *args)`` and make its first call: (the graph, its
         result, seconds). On a CPU the graph is loaded whole when saved, else built ahead of
         time and saved (saved_graphs.py); elsewhere, or where it cannot be saved, ``compiled()``
-        (torch.compile's wrapper of it, taking ``args``) builds it in its first call. Says when
-        it is ready and where it came from; if the compile cache gave a broken graph, clears
-        the cache and builds it again."""
+        (torch.compile's wrapper of it, taking ``args``) builds it in its first call. Says so
+        before it compiles ``what`` (a loaded graph compiles nothing), and when it is ready,
+        where it came from; if the compile cache gave a broken graph, clears the cache and
+        builds it again."""
+
+        def building() -> None:
+            self._tell(f"compiling {what} ({how_often}; {_CACHE_NOTE})")
 
         def make() -> tuple[Callable, str | None]:  # (the graph, where it came from)
             if self._saved is not None:
-                got = saved_graphs.get(self._saved, self.model, function, args)
+                got = saved_graphs.get(self._saved, self.model, function, args, building)
                 if got is not None:
                     graph, loaded = got
                     return graph, "from the compile cache" if loaded else "compiled"
+            building()  # (torch.compile may find the code in its cache: then seconds)
             return compiled(), None
 
         def call(graph: Callable, source: str | None) -> tuple[Tensor, str]:
@@ -371,9 +382,10 @@ class Engine:
             with self._compile_settings():
                 return head(hidden)
         what = "the output layer for prompts"
-        self._tell(f"compiling {what} (once per process; {_CACHE_NOTE})")
         logits_of = type(self.model).logits
-        head, logits, _ = self._first_call(what, logits_of, (hidden,), self._compiled_head)
+        head, logits, _ = self._first_call(
+            what, "once per process", logits_of, (hidden,), self._compiled_head
+        )
         self._heads[tuple(hidden.shape)] = head
         return logits
 

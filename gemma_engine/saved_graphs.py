@@ -97,8 +97,10 @@ class Bound:
 
     The plain arguments (the kv bucket) are part of the graph; the tensors are its inputs,
     checked against the shapes it was built for (the engine checks their dtype and device
-    itself, see Engine.step). The model's parameters and buffers are the package's constants,
-    read and written in place: the model must keep them (it allocates them once)."""
+    itself, see Engine.step) and made contiguous: the compiled code indexes them with the
+    strides they had when it was traced, contiguous ones (a no-op for the engine's own fresh
+    tensors). The model's parameters and buffers are the package's constants, read and
+    written in place: the model must keep them (it allocates them once)."""
 
     def __init__(self, loader: Any, model: torch.nn.Module, args: tuple) -> None:
         self.loader = loader
@@ -107,7 +109,7 @@ class Bound:
         self.shapes = tuple(args[i].shape for i in self.positions)
 
     def __call__(self, *args: Any) -> Tensor:
-        inputs = [args[i] for i in self.positions]
+        inputs = [args[i].contiguous() for i in self.positions]
         shapes = tuple(t.shape for t in inputs)
         if shapes != self.shapes:
             raise ValueError(
@@ -176,7 +178,10 @@ def build(model: torch.nn.Module, function: Callable, args: tuple, path: Path) -
             # (torch 2.13's packaging pickles a tree spec through a deprecated check, which
             # warns on every build: torch's business, not the user's)
             warnings.filterwarnings("ignore", category=FutureWarning)
-            program = torch.export.export(call, inputs, strict=False)
+            # Export's default tracing (non-strict): the Python runs once on fake tensors,
+            # recording the operations; no bytecode analysis. (Weights are not read here:
+            # the model's tensors are given to the package at load, see load().)
+            program = torch.export.export(call, inputs)
             torch._inductor.aoti_compile_and_package(
                 program,
                 package_path=str(partial),
@@ -204,13 +209,19 @@ def build(model: torch.nn.Module, function: Callable, args: tuple, path: Path) -
 
 
 def get(
-    folder: Path, model: torch.nn.Module, function: Callable, args: tuple
+    folder: Path,
+    model: torch.nn.Module,
+    function: Callable,
+    args: tuple,
+    building: Callable[[], None] = lambda: None,
 ) -> tuple[Bound, bool] | None:
     """``function`` compiled for ``args`` and bound to ``model``, with whether it was loaded:
-    loaded from ``folder`` when saved there, else built, saved, and loaded back (as the next
-    process will). None when this graph cannot be built ahead of time (``torch.export``
-    refuses what it cannot trace as one graph): the caller then compiles it as usual, and a
-    marker file beside the graph's name keeps later processes from trying again."""
+    loaded from ``folder`` when saved there, else built (``building()`` called first), saved,
+    and loaded back (as the next process will). None when this graph cannot be built ahead
+    of time (``torch.export`` refuses what it cannot trace as one graph): the caller then
+    compiles it as usual, and a marker file beside the graph's name keeps later processes
+    from trying again."""
+    args = tuple(a.contiguous() if isinstance(a, Tensor) else a for a in args)  # as Bound
     path = folder / FOLDER / file_name(model, function, args)
     marker = path.with_suffix(".unsaved")
     if marker.exists():
@@ -218,6 +229,7 @@ def get(
     graph = load(path, model, args)
     if graph is not None:
         return graph, True
+    building()
     try:
         build(model, function, args, path)
         graph = load(path, model, args)

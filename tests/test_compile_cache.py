@@ -84,6 +84,7 @@ def warm_cache(model, tmp_path_factory) -> Path:
 def test_the_next_process_finds_the_graph_precompile_built(model, warm_cache, eager_text):
     run = gemma_run(model, warm_cache, "--prompt", PROMPT)
     assert source_of_graph(run.stderr) == "from the compile cache"
+    assert "compiling" not in run.stderr  # the notice comes only when a graph is built
     assert run.stdout == eager_text.stdout and not warnings(run.stderr)
     stamp = json.loads((cache_folder(warm_cache) / compile_cache.STAMP).read_text())
     assert stamp["torch"] and stamp["capability"] and stamp["cpu"]
@@ -189,16 +190,22 @@ def test_a_graph_that_cannot_be_saved_whole_is_compiled_as_usual(tmp_path, monke
 def test_a_saved_graph_refuses_other_shapes_and_uses_the_model_s_tensors_in_place(tmp_path):
     """A saved graph holds no weights: the model's parameters and buffers are its constants,
     used in place (a change to them shows in the next call), and its tensor arguments must
-    have the shapes it was built for."""
+    have the shapes it was built for (any strides: the code indexes contiguous ones)."""
     model = torch.nn.Linear(4, 4)
-    x = torch.ones(1, 4)
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         graph, loaded = saved_graphs.get(tmp_path, model, torch.nn.Linear.forward, (x,))
         assert not loaded
         with pytest.raises(ValueError, match="shapes"):
-            graph(torch.ones(2, 4))
+            graph(torch.ones(3, 4))
         # (close, not equal: the compiled product may round differently from eager addmm)
         torch.testing.assert_close(graph(x), model(x))
+        # The same values, column by column in memory, read by inductor's own code (GELU):
+        transposed = x.t().contiguous().t()
+        assert not transposed.is_contiguous()
+        gelu = torch.nn.Sequential(torch.nn.GELU(), model)
+        first, _ = saved_graphs.get(tmp_path, gelu, torch.nn.Sequential.forward, (x,))
+        torch.testing.assert_close(first(transposed), gelu(x))
         model.weight.mul_(2)
         torch.testing.assert_close(graph(x), model(x))
         again, loaded = saved_graphs.get(tmp_path, model, torch.nn.Linear.forward, (x,))
