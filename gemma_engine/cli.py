@@ -252,9 +252,11 @@ def _summary(stats: dict, first_token_seconds: float | None, quantization) -> st
         f"{stats['prompt_tokens']} prompt tokens",
         f"first token {first_token_seconds:.2f} s" if first_token_seconds else "no text",
         f"decode {rate:.1f} tok/s ({stats['decode_tokens']} tokens)" if rate else "no decode steps",
-        f"buckets compiled: {', '.join(map(str, compiled))} in {stats['compile_seconds']:.1f} s"
+        # (built or loaded: the graph lines above say which)
+        f"graphs ready for buckets {', '.join(map(str, compiled))} in "
+        f"{stats['compile_seconds']:.1f} s"
         if compiled
-        else "no new graphs compiled",
+        else "no new graphs",
     ]
     if stats.get("drafted_tokens"):
         kept, drafted = stats["accepted_tokens"], stats["drafted_tokens"]

@@ -21,6 +21,12 @@ per-round ratios. Engine workers use the engine's own cache folder ($GEMMA_ENGIN
 its default), so graphs an earlier run compiled load in seconds; ``--fresh-cache`` gives them
 an empty one. The report is printed and, with ``--docs``, written there as rounds.md and
 rounds.json.
+
+A second table splits each context's rounds by their bandwidth probe, at its median: a VM
+whose memory is sometimes fast and sometimes slow shows there whether a contestant follows
+the memory (bandwidth-bound: shorter steps in fast rounds) or not (bound by its own
+arithmetic). ``--from docs/NAME/rounds.json`` prints the report of a saved run again, this
+table included, without measuring anything.
 """
 
 from __future__ import annotations
@@ -195,6 +201,7 @@ def report(results: dict, names: list[str], reference: str, info: dict, args) ->
         f"{bu.fmt_ctx(int(c))} {min(d['bandwidth_gbs']):.1f}-{max(d['bandwidth_gbs']):.1f}"
         for c, d in results["contexts"].items()
     )
+    halves = by_probe(results, names, reference)
     table = bu.md_table(
         ["context", "contestant", "tok/s", "median step ms", "of bound",
          f"vs {reference}", "per-round ratio"],
@@ -205,7 +212,8 @@ def report(results: dict, names: list[str], reference: str, info: dict, args) ->
         [
             f"### Alternating rounds, {info['date_utc']}",
             "",
-            f"Command: `{bu.command_line()}`",
+            f"Command: `{results.get('command') or 'see rounds.md beside the saved run'}`"
+            + ("" if not args.saved else f"; reported again by `{bu.command_line()}`"),
             "",
             f"Machine: {bu.machine_line(info)}",
             f"Versions: {bu.versions_line(info)}"
@@ -218,8 +226,45 @@ def report(results: dict, names: list[str], reference: str, info: dict, args) ->
             "",
             table,
             "",
+            "The same rounds split at each context's median probe: slower-memory rounds "
+            "(probe at or below the median) and faster ones; per half the median probe, each "
+            "contestant's median step, the bytes it reads per token over that step (GB/s), "
+            f"that over the half's probe, and the ratio of medians against {reference}.",
+            "",
+            halves,
+            "",
         ]
     )
+
+
+def by_probe(results: dict, names: list[str], reference: str) -> str:
+    """The report's second table: each context's rounds in two halves by their probe."""
+    rows = []
+    for ctx, data in results["contexts"].items():
+        probes = data["bandwidth_gbs"]
+        cut = statistics.median(probes)
+        for label, faster in (("slower", False), ("faster", True)):
+            keep = [(b > cut) == faster for b in probes]
+            picked = [rd for rd, k in zip(data["rounds"], keep, strict=True) if k]
+            if not picked:
+                continue
+            probe = statistics.median([b for b, k in zip(probes, keep, strict=True) if k])
+            median = {n: statistics.median([t for rd in picked for t in rd[n]]) for n in names}
+            for n in names:
+                rate = data["read_bytes"][n] / median[n] / 1e9
+                ratio = "(reference)" if n == reference else f"{median[reference] / median[n]:.2f}x"
+                rows.append(
+                    [
+                        bu.fmt_ctx(int(ctx)), f"{label} ({len(picked)})", f"{probe:.1f}", n,
+                        f"{median[n] * 1e3:.2f}", f"{rate:.1f}", f"{rate / probe:.0%}", ratio,
+                    ]
+                )  # fmt: skip
+    return bu.md_table(
+        ["context", "rounds", "probe GB/s", "contestant", "median step ms", "read GB/s",
+         "of probe", f"vs {reference}"],
+        rows,
+        "llrlrrrr",
+    )  # fmt: skip
 
 
 def parse_args(argv=None):
@@ -236,6 +281,7 @@ def parse_args(argv=None):
     p.add_argument("--llama-cpp-path", default=None)
     p.add_argument("--fresh-cache", action="store_true", help="engine: an empty compile cache")
     p.add_argument("--docs", type=Path, default=None, help="folder for rounds.md and .json")
+    p.add_argument("--from", dest="saved", type=Path, help="report a saved rounds.json again")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--worker-spec", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -249,6 +295,12 @@ def main() -> int:
         except Exception:
             traceback.print_exc()
             return 1
+        return 0
+    if args.saved:  # no measuring: the saved run's report, with its own settings
+        results = json.loads(args.saved.read_text())
+        args.steps = len(next(iter(results["contexts"].values()))["rounds"][0][results["names"][0]])
+        args.rounds = results["rounds"]
+        print(report(results, results["names"], results["reference"], results["info"], args))
         return 0
     bu.reexec_lowered(args.capability, args.llama_cpp_path)
     import torch
@@ -296,7 +348,9 @@ def main() -> int:
         finally:
             for w in workers.values():
                 w.close()
-    results.update(info=info, names=names, reference=reference, rounds=args.rounds)
+    results.update(
+        info=info, names=names, reference=reference, rounds=args.rounds, command=bu.command_line()
+    )
     text = report(results, names, reference, info, args)
     print("\n" + text)
     if args.docs:
