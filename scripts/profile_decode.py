@@ -5,12 +5,15 @@
 
 ``--batch B`` profiles one batched step of B rows (issue #11's profile); ``--kernels`` times
 each inductor kernel, named after the ops it fuses (the output layer's is the one that reads
-the 262,144-row matrix).
+the 262,144-row matrix). A saved graph's name does not cover inductor's settings, so graphs
+built to time their kernels live in a compile cache of their own (``kernel-profile`` beside
+the engine's folders), never mixed with the ones ``gemma-run`` loads.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -22,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _benchutil as bu  # noqa: E402
 
-from gemma_engine import Engine  # noqa: E402
+from gemma_engine import Engine, compile_cache  # noqa: E402
 
 
 def main() -> None:
@@ -42,6 +45,7 @@ def main() -> None:
     bu.reexec_lowered(args.capability)
     torch.set_num_threads(2)
     if args.kernels:
+        os.environ["GEMMA_ENGINE_CACHE"] = str(compile_cache.root() / "kernel-profile")
         torch._inductor.config.cpp.enable_kernel_profile = True
     engine = Engine.from_pretrained(
         args.model,
