@@ -317,8 +317,12 @@ class Engine:
         where it came from; if the compile cache gave a broken graph, clears the cache and
         builds it again."""
 
+        told = []  # once per graph, though a failed export falls back to torch.compile
+
         def building() -> None:
-            self._tell(f"compiling {what} ({how_often}; {_CACHE_NOTE})")
+            if not told:
+                told.append(True)
+                self._tell(f"compiling {what} ({how_often}; {_CACHE_NOTE})")
 
         def make() -> tuple[Callable, str | None]:  # (the graph, where it came from)
             if self._saved is not None:
