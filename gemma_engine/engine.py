@@ -167,6 +167,7 @@ class Engine:
             max_batch=max_batch,
             prefill_chunk=prefill_chunk,
             ranks=ranks,
+            compiled=compile is not False,
         )
         engine = cls(
             loaded.model,

@@ -346,6 +346,7 @@ def load(
     max_batch: int | None,
     prefill_chunk: int | None,
     ranks: parallel.Ranks | None = None,
+    compiled: bool = True,
 ) -> Loaded:
     """Resolve, read, configure, check, quantize and build: the steps of
     ``Engine.from_pretrained``, every check done before the weights are placed.
@@ -400,7 +401,14 @@ def load(
     del ckpt.tensors  # the model holds what it needs
     if quantized is not None:
         if device.type == "cpu":
-            quant.to_kernel_layout(net, net.output_layer())
+            # The int8 output layer's packed copy (packed_int8.py) serves products of several
+            # rows (batched steps) and eager ones. Building it is not free: fbgemm's prepack of
+            # the default model's output layer took 3.6 s of a 7.9 s cold start on an AMD EPYC
+            # Zen 3 (2026-12-07, BENCHMARKS.md). A compiled engine of one sequence goes
+            # without: its prompts' logits come from a compiled graph (Engine.head), and a
+            # speculative step's few rows from the one-token kernel per row.
+            several = max_batch > 1 or not compiled
+            quant.to_kernel_layout(net, net.output_layer() if several else None)
         quant.warn_if_slow(quantized[0], device)
     if shard is not None:
         shard.attach(net)

@@ -579,7 +579,8 @@ def to_kernel_layout(model: nn.Module, output_layer: nn.Module | None = None) ->
     kernel. One token keeps inductor's kernel, which reads the blocked matrix faster than the
     libraries now: an int8 step at context 128 took 17.4 against 18.7 ms with oneDNN under
     AVX-512, 21.2 against 25.4 ms with fbgemm under AVX2 (BENCHMARKS.md). The plain matrix is
-    not kept: the lookups of a tied embedding read the blocked one.
+    not kept: the lookups of a tied embedding read the blocked one. No ``output_layer``, no
+    packed copy (the loader's choice for a compiled engine of one sequence, loading.load).
     """
     lanes = cpu.vector_lanes()
     for module in model.modules():

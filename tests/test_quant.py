@@ -130,6 +130,11 @@ def test_quantized_score_matches_transformers_on_dequantized_weights(method, qua
 def test_quantized_compiled_decode_matches_transformers(method, quantized):
     """Greedy decode runs the fused kernels (prompt eager, head and steps compiled)."""
     engine, ref = quantized[method]
+    got = assert_greedy_decode_matches(engine, ref)
+    assert got.stats["buckets_compiled"] == [32, 64]  # the steps ran compiled
+
+
+def assert_greedy_decode_matches(engine: Engine, ref):
     prompt = random_ids(6, 3)
     expected = ref.generate(
         torch.tensor([prompt]), max_new_tokens=30, min_new_tokens=30, do_sample=False
@@ -137,7 +142,25 @@ def test_quantized_compiled_decode_matches_transformers(method, quantized):
     got = engine.generate(prompt, max_new_tokens=30)
     assert got.token_ids == expected[: len(got.token_ids)]
     assert len(got.token_ids) >= 20 or got.finish_reason == "stop"
-    assert got.stats["buckets_compiled"] == [32, 64]  # the steps ran compiled
+    return got
+
+
+def test_an_engine_of_one_sequence_goes_without_the_packed_copy(tiny_checkpoints):
+    """Compiled with max_batch=1 (gemma-run's default), the int8 output layer gets no packed
+    copy (its prepack took seconds on AVX2, loading.load): the prompt's logits come from a
+    compiled graph instead, and decode still matches transformers."""
+    folder, reference = tiny_checkpoints[KIND]
+    engine = Engine.from_pretrained(
+        folder, quantize="int8", compile=True, max_seq_len=64, buckets=[32], max_batch=1
+    )
+    head = engine.model.output_layer()
+    assert not head.packed and not hasattr(head.weight, "_gemma_packed")
+    assert engine._head_compiles
+    assert_greedy_decode_matches(engine, dequantized_reference(engine, reference))
+    # Eager, or several sequences: the copy is there for their products.
+    for kwargs in ({"compile": False, "max_batch": 1}, {"compile": True, "max_batch": 2}):
+        other = Engine.from_pretrained(folder, quantize="int8", max_seq_len=64, **kwargs)
+        assert other.model.output_layer().packed == (packed_int8.backend() is not None)
 
 
 def test_bf16_prompt_matmuls_stay_close(monkeypatch, quantized):
