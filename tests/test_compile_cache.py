@@ -110,11 +110,12 @@ def test_each_graph_is_saved_whole_and_built_again_without_its_file(
 
 
 def test_a_quantized_prompt_head_is_saved_whole(model, tmp_path):
-    """Where no integer GEMM library serves the int8 output layer (packed_int8.backend: here
-    a process lowered to no vector instructions), its product for prompts is a graph too; its
-    saved guards must load (an unread dtype attribute once made them unloadable:
-    quant.QuantizedLinear.dtype). With a library, a prompt's logits come from its packed copy
-    eagerly: no graph to load in a fresh process."""
+    """Where the int8 output layer has no packed copy, its product for prompts is a graph
+    too: where no integer GEMM library serves it (packed_int8.backend: here a process lowered
+    to no vector instructions), and in an engine of one sequence (gemma-run's default,
+    loading.load); the saved graph must load (an unread dtype attribute once made it
+    unloadable: quant.QuantizedLinear.dtype). With a library and several sequences, a prompt's
+    logits come from the packed copy eagerly: no graph to load."""
     cache = tmp_path / "cache"
     head = "the output layer for prompts is ready"
     bare = {"ATEN_CPU_CAPABILITY": "default"}
@@ -123,8 +124,11 @@ def test_a_quantized_prompt_head_is_saved_whole(model, tmp_path):
     run = gemma_run(model, cache, "--prompt", PROMPT, "--quantize", "int8", env=bare)
     assert source_of_graph(run.stderr, head) == "from the compile cache"
     assert source_of_graph(run.stderr) == "from the compile cache"
-    native = gemma_run(model, tmp_path / "native", "--prompt", PROMPT, "--quantize", "int8")
-    assert (head in native.stderr) == (packed_int8.backend() is None)
+    native = tmp_path / "native"
+    one = gemma_run(model, native, "--prompt", PROMPT, "--quantize", "int8")
+    assert head in one.stderr
+    several = gemma_run(model, native, "--prompt", PROMPT, "--quantize", "int8", "--max-batch", "2")
+    assert (head in several.stderr) == (packed_int8.backend() is None)
 
 
 FRESH_LOAD = """
