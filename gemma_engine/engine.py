@@ -110,9 +110,10 @@ class Engine:
             # expand a quantized matrix in full (seconds). Compiled, it streams the quantized
             # bytes as decode does. Float weights keep MKL's GEMV here: tens of milliseconds,
             # against a compile of up to 12 s before a fresh process's first token. So does an
-            # int8 output layer with a library's packed copy (packed_int8.py, on x86 CPUs):
-            # ~9 ms eagerly, where loading a saved graph for it took ~1 s of a fresh
-            # process's start.
+            # int8 output layer with a library's packed copy (packed_int8.py, on x86 CPUs;
+            # engines of several sequences, loading.load): ~9 ms eagerly. Without one, the
+            # saved graph loads with the decode graphs (0.0 s; first token 0.16 s on a Zen 3,
+            # BENCHMARKS.md 2026-12-07).
             self._head_compiles = True
         self.scheduler = Scheduler(self)
 
@@ -318,11 +319,12 @@ class Engine:
         where it came from; if the compile cache gave a broken graph, clears the cache and
         builds it again."""
 
-        told = []  # once per graph, though a failed export falls back to torch.compile
+        told = False  # once per graph, though a failed export falls back to torch.compile
 
         def building() -> None:
+            nonlocal told
             if not told:
-                told.append(True)
+                told = True
                 self._tell(f"compiling {what} ({how_often}; {_CACHE_NOTE})")
 
         def make() -> tuple[Callable, str | None]:  # (the graph, where it came from)
