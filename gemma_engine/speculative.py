@@ -171,7 +171,11 @@ class Int8Drafter:
         dtype = target.model.norm.weight.dtype
         quant.quantize_model(model, "int8", None, dtype)  # new int8 matrices, norms shared
         if engine.device.type == "cpu":
-            quant.to_kernel_layout(model, model.output_layer())
+            # Compiled, it only ever steps one row, which reads the blocked matrix: the GEMM
+            # library's packed copy would serve eager calls alone (its prepack took 3.6 s of a
+            # draft's setup on an AVX2 Zen 3). Its prompts go through prefill (hidden states,
+            # no logits), so it needs no compiled output layer for prompts either.
+            quant.to_kernel_layout(model, None if engine.compile else model.output_layer())
         model.setup_cache(engine.max_seq_len, 1, engine.prefill_chunk)
         self.engine = Engine(
             model.eval().requires_grad_(False),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gemma_engine import Engine, cli
+from gemma_engine import Engine, cli, packed_int8
 from gemma_engine.errors import InvalidRequestError
 from gemma_engine.sampling import SamplingParams, probabilities
 from gemma_engine.speculative import NgramIndex, accept_drafts, accept_greedy
@@ -236,7 +236,17 @@ def test_compiled_greedy_equals_plain(tiny_checkpoints):
     int8 = load(tiny_checkpoints["gemma3"][0], "int8", compile=True, buckets=[64])
     out = int8.generate(REPEATING, max_new_tokens=40)
     assert out.token_ids == plain.token_ids and out.stats["accepted_tokens"] > 0
-    assert set(int8.speculator.drafter.engine.compile_seconds) == {(1, 64)}
+    draft = int8.speculator.drafter.engine
+    assert set(draft.compile_seconds) == {(1, 64)}
+    # Compiled, the draft steps one row at a time: no GEMM library's packed output layer.
+    assert not draft.model.output_layer().packed and not draft._heads
+
+
+def test_an_eager_int8_draft_keeps_the_packed_output_layer(tiny_checkpoints):
+    """Eager, the draft's output layer multiplies through the GEMM library's packed copy where
+    the CPU has one (packed_int8.py); the compiled draft goes without (test above)."""
+    draft = load(tiny_checkpoints["gemma3"][0], "int8").speculator.drafter.engine
+    assert draft.model.output_layer().packed == (packed_int8.backend() is not None)
 
 
 # -- sampling: the target's distribution ------------------------------------------------------
