@@ -36,6 +36,7 @@ import hashlib
 import itertools
 import json
 import os
+import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -119,6 +120,33 @@ class Bound:
         return out
 
 
+def _extracted_folders() -> set[Path]:
+    """The temporary folders holding the packages' shared objects this process has mapped.
+
+    The loader unzips a package into a folder of its own under the temporary directory
+    (``aotinductor_XXXXXX``), maps the shared object from there, and removes the folder when
+    it is destroyed, which a process that leaves with ``os._exit`` (gemma-run) or is killed
+    never does: every run left 3-7 MB behind in /tmp. Once the object is mapped its files are
+    no longer read (the weights are the model's tensors, a CPU graph has no kernel files to
+    load later), so load() removes the folder at once. Linux; elsewhere none are found."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return set()
+    found = set()
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6:
+            continue  # an anonymous mapping
+        where = Path(fields[5])
+        for folder in where.parents:
+            if folder.name.startswith("aotinductor_"):
+                if folder.is_dir():
+                    found.add(folder)
+                break
+    return found
+
+
 class BrokenGraph(Exception):
     """A saved graph that does not load (damaged, or written by other code)."""
 
@@ -130,8 +158,11 @@ def load(path: Path, model: torch.nn.Module, args: tuple) -> Bound | None:
     if not path.is_file():
         return None
     try:
+        before = _extracted_folders()
         # (model name, one runner, run with OpenMP as built, the CPU)
         loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        for folder in _extracted_folders() - before:
+            shutil.rmtree(folder, ignore_errors=True)
         tensors = _tensors(model)
         constants = {}
         for name in loader.get_constant_fqns():

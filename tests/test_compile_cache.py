@@ -81,8 +81,14 @@ def warm_cache(model, tmp_path_factory) -> Path:
     return cache
 
 
-def test_the_next_process_finds_the_graph_precompile_built(model, warm_cache, eager_text):
-    run = gemma_run(model, warm_cache, "--prompt", PROMPT)
+def test_the_next_process_finds_the_graph_precompile_built(model, warm_cache, eager_text, tmp_path):
+    """The next process loads the graph, with the eager output, and leaves nothing in the
+    temporary directory: the package loader's unzipped copy, which gemma-run's quick exit never
+    let it remove, goes as soon as the graph is loaded."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    run = gemma_run(model, warm_cache, "--prompt", PROMPT, env={"TMPDIR": str(temp)})
+    assert [p.name for p in temp.iterdir()] == []
     assert source_of_graph(run.stderr) == "from the compile cache"
     assert "compiling" not in run.stderr  # the notice comes only when a graph is built
     assert run.stdout == eager_text.stdout and not warnings(run.stderr)
