@@ -43,6 +43,10 @@ import torch
 from . import cpu
 
 STAMP = "stamp.json"
+# A machine folder keeps its most recently used entries up to this size (trim()).
+KEEP_BYTES = 2 << 30
+# Entries written this recently stay whatever the size: another process may be building them.
+IN_USE_SECONDS = 3600
 # Inductor's answers about the vector instruction sets (see remember_vector_checks).
 VECTOR_CHECKS = "vector_checks.json"
 _folder: Path | None = None  # this process's, once use() found one
@@ -217,6 +221,55 @@ def _set_aside(folder: Path) -> None:
     except OSError:
         aside = folder
     shutil.rmtree(aside, ignore_errors=True)
+
+
+def trim(folder: Path, keep: Path | None = None) -> None:
+    """Remove the least recently used entries of the machine folder ``folder`` past
+    KEEP_BYTES, so that the graphs of engine versions and options no longer run do not pile
+    up (each version of the engine's source names its graphs anew, saved_graphs.py). An entry
+    is a saved graph (used: loading touches it), or one of inductor's folders of generated
+    code (used: written when a graph is built). Entries written within IN_USE_SECONDS, and
+    ``keep``, stay; so do the stamp, the vector checks and the markers of graphs that cannot
+    be saved. Called after a graph is built, never on the way to a first token."""
+    entries = []
+    try:
+        for top in folder.iterdir():
+            if top.name in (STAMP, VECTOR_CHECKS, "locks") or top.name.startswith("."):
+                continue
+            if top.name in ("graphs", "fxgraph", "aotautograd") and top.is_dir():
+                entries += [p for p in top.iterdir() if p.suffix != ".unsaved"]
+            else:
+                entries.append(top)
+    except OSError:
+        return
+    described = []
+    for entry in entries:
+        with contextlib.suppress(OSError):
+            described.append((*_size_and_time(entry), entry))
+    recent = time.time() - IN_USE_SECONDS
+    total = 0
+    for size, mtime, entry in sorted(described, key=lambda e: e[1], reverse=True):
+        total += size
+        if total > KEEP_BYTES and entry != keep and mtime < recent:
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    entry.unlink()
+
+
+def _size_and_time(entry: Path) -> tuple[int, float]:
+    """The bytes of the files of ``entry`` and the latest time any of it was written."""
+    st = entry.stat()
+    size, mtime = (0 if entry.is_dir() else st.st_size), st.st_mtime
+    if entry.is_dir():
+        for parent, _, files in os.walk(entry):
+            for name in files:
+                with contextlib.suppress(OSError):
+                    st = os.stat(os.path.join(parent, name))
+                    size += st.st_size
+                    mtime = max(mtime, st.st_mtime)
+    return size, mtime
 
 
 @contextlib.contextmanager

@@ -174,6 +174,8 @@ def load(path: Path, model: torch.nn.Module, args: tuple) -> Bound | None:
         loader.load_constants(constants, False, True, True)
     except Exception as err:
         raise BrokenGraph(f"{path.name}: {type(err).__name__}: {err}") from err
+    with contextlib.suppress(OSError):  # used now: the cache keeps it (compile_cache.trim)
+        os.utime(path)
     return Bound(loader, model, args)
 
 
@@ -277,4 +279,5 @@ def get(
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.write_text(reason + "\n")
         return None
+    compile_cache.trim(folder, keep=path)
     return graph, False

@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -87,8 +88,11 @@ def test_the_next_process_finds_the_graph_precompile_built(model, warm_cache, ea
     let it remove, goes as soon as the graph is loaded."""
     temp = tmp_path / "tmp"
     temp.mkdir()
+    (saved,) = (cache_folder(warm_cache) / saved_graphs.FOLDER).glob("forward-*.pt2")
+    os.utime(saved, (0, 0))
     run = gemma_run(model, warm_cache, "--prompt", PROMPT, env={"TMPDIR": str(temp)})
     assert [p.name for p in temp.iterdir()] == []
+    assert saved.stat().st_mtime > time.time() - 600  # used: compile_cache.trim keeps it
     assert source_of_graph(run.stderr) == "from the compile cache"
     assert "compiling" not in run.stderr  # the notice comes only when a graph is built
     assert run.stdout == eager_text.stdout and not warnings(run.stderr)
@@ -324,6 +328,49 @@ def test_broken_cached_files_are_rebuilt(model, warm_cache, eager_text, tmp_path
     again = gemma_run(model, cache, "--prompt", PROMPT)
     assert source_of_graph(again.stderr) == "from the compile cache" and not warnings(again.stderr)
     assert again.stdout == eager_text.stdout
+
+
+def test_a_folder_past_its_budget_loses_its_least_recently_used_entries(tmp_path, monkeypatch):
+    """compile_cache.trim, after a graph is built: newest first up to KEEP_BYTES, then only what
+    was written within the hour (another process may be building it), the graph just built,
+    the stamp, the vector checks, the locks and the markers of graphs that cannot be saved."""
+    folder = tmp_path / "machine"
+    now = time.time()
+
+    def entry(relative: str, size: int, hours_ago: float) -> None:
+        path = folder / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"x" * size)
+        when = now - hours_ago * 3600
+        for p in [path, *path.relative_to(folder).parents][:-1]:  # the file and its folders
+            os.utime(folder / p, (when, when))
+
+    entry(compile_cache.STAMP, 10, 300)
+    entry(compile_cache.VECTOR_CHECKS, 10, 300)
+    entry("locks/a.lock", 10, 300)
+    entry("graphs/forward-marker.unsaved", 10, 300)
+    entry("graphs/forward-built.pt2", 400, 0)  # just built: stays whatever the size
+    entry("ab/cab/kernel.so", 300, 0.5)  # written within the hour
+    entry("graphs/forward-used.pt2", 300, 2)  # loaded two hours ago: 1000 bytes so far
+    entry("cd/ccd/kernel.so", 300, 24)
+    entry("graphs/forward-old.pt2", 300, 48)
+    entry("fxgraph/xy/entry", 300, 72)
+    monkeypatch.setattr(compile_cache, "KEEP_BYTES", 1000)
+    compile_cache.trim(folder, keep=folder / "graphs/forward-built.pt2")
+    left = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    assert left == [
+        "ab/cab/kernel.so",
+        "graphs/forward-built.pt2",
+        "graphs/forward-marker.unsaved",
+        "graphs/forward-used.pt2",
+        "locks/a.lock",
+        compile_cache.STAMP,
+        compile_cache.VECTOR_CHECKS,
+    ]
+    # Within the budget, nothing goes.
+    monkeypatch.setattr(compile_cache, "KEEP_BYTES", 1 << 20)
+    compile_cache.trim(folder)
+    assert len([p for p in folder.rglob("*") if p.is_file()]) == len(left)
 
 
 def test_a_second_engine_in_the_process_keeps_the_folder(tmp_path, monkeypatch):
