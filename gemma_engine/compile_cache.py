@@ -236,21 +236,30 @@ def trim(folder: Path, keep: Path | None = None) -> None:
         for top in folder.iterdir():
             if top.name in (STAMP, VECTOR_CHECKS, "locks") or top.name.startswith("."):
                 continue
+            # ("graphs": saved_graphs.FOLDER, which imports this module)
             if top.name in ("graphs", "fxgraph", "aotautograd") and top.is_dir():
                 entries += [p for p in top.iterdir() if p.suffix != ".unsaved"]
             else:
                 entries.append(top)
     except OSError:
         return
+    remove_least_recent(entries, KEEP_BYTES, keep, recent=time.time() - IN_USE_SECONDS)
+
+
+def remove_least_recent(
+    entries: list[Path], keep_bytes: int, keep: Path | None, recent: float = float("inf")
+) -> None:
+    """Remove the least recently written of ``entries`` (files or folders) past the newest
+    ``keep_bytes``; ``keep``, and entries written after the time ``recent``, stay. The
+    eviction of both caches: this one (trim) and the quantized weights' (quantized_cache)."""
     described = []
     for entry in entries:
         with contextlib.suppress(OSError):
             described.append((*_size_and_time(entry), entry))
-    recent = time.time() - IN_USE_SECONDS
     total = 0
     for size, mtime, entry in sorted(described, key=lambda e: e[1], reverse=True):
         total += size
-        if total > KEEP_BYTES and entry != keep and mtime < recent:
+        if total > keep_bytes and entry != keep and mtime < recent:
             if entry.is_dir():
                 shutil.rmtree(entry, ignore_errors=True)
             else:
@@ -261,14 +270,15 @@ def trim(folder: Path, keep: Path | None = None) -> None:
 def _size_and_time(entry: Path) -> tuple[int, float]:
     """The bytes of the files of ``entry`` and the latest time any of it was written."""
     st = entry.stat()
-    size, mtime = (0 if entry.is_dir() else st.st_size), st.st_mtime
-    if entry.is_dir():
-        for parent, _, files in os.walk(entry):
-            for name in files:
-                with contextlib.suppress(OSError):
-                    st = os.stat(os.path.join(parent, name))
-                    size += st.st_size
-                    mtime = max(mtime, st.st_mtime)
+    if not entry.is_dir():
+        return st.st_size, st.st_mtime
+    size, mtime = 0, st.st_mtime
+    for parent, _, files in os.walk(entry):
+        for name in files:
+            with contextlib.suppress(OSError):
+                st = os.stat(os.path.join(parent, name))
+                size += st.st_size
+                mtime = max(mtime, st.st_mtime)
     return size, mtime
 
 

@@ -129,27 +129,15 @@ class Entry:
                 "the next process quantizes them again"
             )
             return
-        _trim(self.folder, keep=self.file)
+        # The least recently used entries past KEEP_BYTES go; the newest always stays.
+        compile_cache.remove_least_recent(
+            list(self.folder.glob("*.safetensors")), KEEP_BYTES, keep=self.file
+        )
 
     def warn(self, why: str) -> None:
         compile_cache.warn(
             f"the quantized-weight cache entry {self.file} {why}; it is ignored and rebuilt"
         )
-
-
-def _trim(folder: Path, keep: Path) -> None:
-    """Remove the least recently used entries past KEEP_BYTES (``keep``, the newest, stays)."""
-    entries = []
-    for p in folder.glob("*.safetensors"):
-        with contextlib.suppress(OSError):
-            st = p.stat()
-            entries.append((st.st_mtime_ns, st.st_size, p))
-    total = 0
-    for _, size, p in sorted(entries, key=lambda e: e[0], reverse=True):
-        total += size
-        if total > KEEP_BYTES and p != keep:
-            with contextlib.suppress(OSError):
-                p.unlink()
 
 
 def quantized_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

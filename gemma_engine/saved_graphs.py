@@ -128,7 +128,7 @@ def _extracted_folders() -> set[Path]:
     it is destroyed, which a process that leaves with ``os._exit`` (gemma-run) or is killed
     never does: every run left 3-7 MB behind in /tmp. Once the object is mapped its files are
     no longer read (the weights are the model's tensors, a CPU graph has no kernel files to
-    load later), so load() removes the folder at once. Linux; elsewhere none are found."""
+    load later), so _open() removes the folder at once. Linux; elsewhere none are found."""
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
@@ -147,6 +147,16 @@ def _extracted_folders() -> set[Path]:
     return found
 
 
+def _open(path: Path) -> Any:
+    """torch's loader of the package at ``path``, its unzipped copy already removed."""
+    before = _extracted_folders()
+    # (model name, one runner, run with OpenMP as built, the CPU)
+    loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+    for folder in _extracted_folders() - before:
+        shutil.rmtree(folder, ignore_errors=True)
+    return loader
+
+
 class BrokenGraph(Exception):
     """A saved graph that does not load (damaged, or written by other code)."""
 
@@ -158,11 +168,7 @@ def load(path: Path, model: torch.nn.Module, args: tuple) -> Bound | None:
     if not path.is_file():
         return None
     try:
-        before = _extracted_folders()
-        # (model name, one runner, run with OpenMP as built, the CPU)
-        loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
-        for folder in _extracted_folders() - before:
-            shutil.rmtree(folder, ignore_errors=True)
+        loader = _open(path)
         tensors = _tensors(model)
         constants = {}
         for name in loader.get_constant_fqns():
@@ -233,7 +239,7 @@ def build(model: torch.nn.Module, function: Callable, args: tuple, path: Path) -
             for node in program.graph.nodes
             if node.op == "placeholder" and node.name in owners and node.users
         }
-        loader = torch._C._aoti.AOTIModelPackageLoader(str(partial), "model", False, 1, -1)
+        loader = _open(partial)
         if missing := lifted - set(loader.get_constant_fqns()):
             raise RuntimeError(f"the package holds the model's {sorted(missing)[0]} as its own")
         os.replace(partial, path)
