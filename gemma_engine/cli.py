@@ -68,6 +68,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--group-size", type=int, help="int4 group size (default: 32 where it fits)")
     p.add_argument("--no-compile", action="store_true", help="run eagerly, without torch.compile")
     p.add_argument(
+        "--no-greedy-screen",
+        action="store_true",
+        help="greedy steps read the whole float output layer, not its int8 copy first (the "
+        "same tokens, slower; see greedy_screen.py)",
+    )
+    p.add_argument(
         "--chat",
         action="store_true",
         help="wrap the prompt in the model's chat turn template (Gemma 4's <|turn> markers, "
@@ -138,6 +144,7 @@ def _main(argv: list[str] | None) -> int:
             group_size=args.group_size,
             speculate=args.speculate,
             speculate_tokens=args.speculate_tokens,
+            greedy_screen=False if args.no_greedy_screen else None,
         )
         at_line_start = True
 
@@ -148,7 +155,7 @@ def _main(argv: list[str] | None) -> int:
 
         engine.on_compile = tell
         if args.precompile:
-            return _precompile(engine, args.buckets)
+            return _precompile(engine, args.buckets, greedy=args.temperature == 0)
         request = engine.chat_prompt(prompt, system=args.system) if args.chat else prompt
         start = time.perf_counter()
         first = None
@@ -186,9 +193,9 @@ def _main(argv: list[str] | None) -> int:
         return 0
 
 
-def _precompile(engine, buckets: list[int] | None) -> int:
+def _precompile(engine, buckets: list[int] | None, greedy: bool) -> int:
     start = time.perf_counter()
-    built = engine.precompile(buckets)
+    built = engine.precompile(buckets, greedy=greedy)
     where = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "TorchInductor's cache")
     print(
         f"gemma-run: decode graphs ready for 1 sequence and kv buckets "

@@ -40,7 +40,7 @@ from .inputs import (
 from .loading import default_buckets, load  # noqa: F401 (re-exported)
 from .model import GemmaForCausalLM
 from .request import Generation, Request
-from .sampling import MAX_TOP_LOGPROBS, SamplingParams
+from .sampling import MAX_TOP_LOGPROBS, SamplingParams, greedy
 from .scheduler import Scheduler
 from .slots import batch_buckets
 from .speculative import Speculator, check_speculate
@@ -87,7 +87,7 @@ class Engine:
         self.speculator: Speculator | None = None  # speculative decoding (speculative.py)
         self._saved: Path | None = None  # where whole graphs are saved (saved_graphs.py)
         self._graphs: dict[tuple[int, int], Callable] = {}  # (batch, kv) -> its graph
-        self._compiled: Callable | None = None  # torch.compile's model (_torch_compiled)
+        self._compiled: dict[str, Callable] = {}  # torch.compile's model (_torch_compiled)
         self._head_compiled: Callable | None = None  # and its output layer (_compiled_head)
         self._heads: dict[tuple[int, ...], Callable] = {}  # hidden's shape -> the prompt head
         if compile:
@@ -100,7 +100,7 @@ class Engine:
             # (Dynamo's and inductor's settings are per thread: step() applies them.)
             Engine._graphs_allowed += len(buckets) * len(batch_buckets(max_batch))
             if self._saved is None:  # else made only if a graph cannot be saved (Dynamo, ~1 s)
-                self._torch_compiled()
+                self._torch_compiled(type(model).forward)
         self._head = model.logits
         self._head_compiles = False  # True: a prompt's logits come from compiled graphs
         head = model.output_layer()
@@ -133,6 +133,7 @@ class Engine:
         prefill_chunk: int | None = None,
         speculate: str | None = None,
         speculate_tokens: int | None = None,
+        greedy_screen: bool | None = None,
     ) -> Engine:
         """Load ``model`` (a folder, a .gguf file, a hub id, or None for the default model).
 
@@ -145,6 +146,9 @@ class Engine:
         parallelism, parallel.py) and every rank must make the same calls.
         ``speculate`` ("lookup" or "int8", with ``speculate_tokens`` drafts per step,
         default 4) decodes speculatively, with the same output (see speculative.py).
+        ``greedy_screen`` (default: on for CPU engines with compiled decode and a large float32
+        output layer, such as the default model's) finds greedy tokens through an int8 copy of
+        the output layer, with the same output (see greedy_screen.py); False turns it off.
         """
         method, draft_tokens = check_speculate(speculate, speculate_tokens)
         device = check_device(device)
@@ -169,6 +173,7 @@ class Engine:
             prefill_chunk=prefill_chunk,
             ranks=ranks,
             compiled=compile is not False,
+            greedy_screen=greedy_screen,
         )
         engine = cls(
             loaded.model,
@@ -240,10 +245,40 @@ class Engine:
         self, tokens: Tensor, input_pos: Tensor, kv_len: int, rows: Tensor | None = None
     ) -> Tensor:
         """One decode step of tokens (B, 1) at positions (B,) or (B, 1) in cache rows ``rows``
-        (B,), by default 0..B-1, through the graph of (B, ``kv_len``) (eager when not compiled).
+        (B,), by default 0..B-1, through the graph of (B, ``kv_len``) (eager when not compiled):
+        logits (B, 1, vocab).
 
         B should be a batch bucket (scheduler.batch_size): every other size is a graph too.
         """
+        return self._step(type(self.model).forward, tokens, input_pos, kv_len, rows)
+
+    @property
+    def screens(self) -> bool:
+        """Whether greedy steps read the int8 copy of the output layer (greedy_screen.py)."""
+        return self.model.greedy_screen is not None
+
+    @torch.no_grad()
+    def greedy_step(
+        self, tokens: Tensor, input_pos: Tensor, kv_len: int, rows: Tensor | None = None
+    ) -> Tensor:
+        """The greedy next tokens (B,) of the decode step ``step`` would run: the argmax of its
+        logits, found through the output layer's int8 copy where the model has one (a graph of
+        its own per (B, ``kv_len``), keyed (B, kv_len, "screened"))."""
+        screen = self.model.greedy_screen
+        if screen is None:
+            return greedy(self.step(tokens, input_pos, kv_len, rows)[:, -1])
+        out = self._step(type(self.model).screened, tokens, input_pos, kv_len, rows)
+        softcap = self.config.final_logit_softcapping
+        return screen.pick(out, self.model.output_layer().weight, softcap)
+
+    def _step(
+        self,
+        function: Callable,
+        tokens: Tensor,
+        input_pos: Tensor,
+        kv_len: int,
+        rows: Tensor | None,
+    ) -> Tensor:
         B = tokens.shape[0]
         input_pos = input_pos.view(B, 1)
         if rows is None:
@@ -255,37 +290,44 @@ class Engine:
                     f"Engine.step: {name} must be an int64 tensor on {self.device}, not "
                     f"{t.dtype} on {t.device}"
                 )
+        args = (tokens, input_pos, kv_len, rows)
         if not self.compile:
-            return self.model(tokens, input_pos, kv_len, rows)
-        graph = self._graphs.get((B, kv_len))
+            return function(self.model, *args)
+        plain = function is type(self.model).forward
+        key = (B, kv_len) if plain else (B, kv_len, function.__name__)
+        graph = self._graphs.get(key)
         if isinstance(graph, saved_graphs.Bound):  # C++ alone, no settings to enter
-            return graph(tokens, input_pos, kv_len, rows)
+            return graph(*args)
         if graph is not None:
             with self._compile_settings():
-                return graph(tokens, input_pos, kv_len, rows)
-        what = f"the decode graph for {B} row{'s' * (B > 1)} and kv bucket {kv_len}"
-        args = (tokens, input_pos, kv_len, rows)
-        forward = type(self.model).forward
-        graph, logits, seconds = self._first_call(
-            what, "once per bucket", forward, args, self._torch_compiled
+                return graph(*args)
+        what = f"the {'decode' if plain else function.__name__ + ' decode'} graph for {B} "
+        what += f"row{'s' * (B > 1)} and kv bucket {kv_len}"
+        graph, out, seconds = self._first_call(
+            what, "once per bucket", function, args, lambda: self._torch_compiled(function)
         )
-        self._graphs[(B, kv_len)] = graph
-        self.compile_seconds[(B, kv_len)] = seconds
-        return logits
+        self._graphs[key] = graph
+        self.compile_seconds[key] = seconds
+        return out
 
-    def _torch_compiled(self) -> Callable:
-        """torch.compile's wrapper of the model (made once): CUDA, tensor parallelism, and a
-        CPU graph that cannot be saved whole (saved_graphs.py)."""
-        if self._compiled is None:
+    def _torch_compiled(self, function: Callable) -> Callable:
+        """torch.compile's wrapper of the model's ``function`` (made once): CUDA, tensor
+        parallelism, and a CPU graph that cannot be saved whole (saved_graphs.py)."""
+        if function.__name__ not in self._compiled:
             compile_cache.before_compiling()
             for layer in self.model.model.layers:  # CUDA graphs may keep these addresses fixed
                 if (cache := layer.self_attn.cache) is not None:  # KV-shared layers have none
                     torch._dynamo.mark_static_address(cache.k)
                     torch._dynamo.mark_static_address(cache.v)
-            self._compiled = torch.compile(
-                self.model, mode="reduce-overhead", fullgraph=True, dynamic=False
+            target = (
+                self.model
+                if function is type(self.model).forward
+                else getattr(self.model, function.__name__)
             )
-        return self._compiled
+            self._compiled[function.__name__] = torch.compile(
+                target, mode="reduce-overhead", fullgraph=True, dynamic=False
+            )
+        return self._compiled[function.__name__]
 
     def _compiled_head(self) -> Callable:
         if self._head_compiled is None:
@@ -396,12 +438,16 @@ class Engine:
         self._heads[tuple(hidden.shape)] = head
         return logits
 
-    def precompile(self, kv_lens: list[int] | None = None, batch: int = 1) -> list[int]:
+    def precompile(
+        self, kv_lens: list[int] | None = None, batch: int = 1, greedy: bool = True
+    ) -> list[int]:
         """Build now the decode graphs of ``batch`` rows for ``kv_lens`` (default: the first
         two buckets), and the quantized output layer for prompts where it is compiled, so
         that requests find them ready, in this process or, through the compile cache, in the
-        next. Call it before any request: it writes one position of the first ``batch`` cache
-        rows (their prompts are forgotten). The kv buckets built."""
+        next. ``greedy``: the graphs greedy requests run (the screened ones where the model has
+        an int8 screen, greedy_screen.py), else those of sampled ones. Call it before any
+        request: it writes one position of the first ``batch`` cache rows (their prompts are
+        forgotten). The kv buckets built."""
         if not self.compile:
             raise InvalidRequestError("precompile needs a compiled engine (compile=True)")
         kv_lens = self.buckets[:2] if kv_lens is None else sorted(set(kv_lens))
@@ -417,8 +463,9 @@ class Engine:
             )
         self.clear_cache()
         tokens = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
+        step = self.greedy_step if greedy else self.step
         for kv in kv_lens:
-            self.step(tokens, torch.full((batch,), kv - 1, device=self.device), kv)
+            step(tokens, torch.full((batch,), kv - 1, device=self.device), kv)
         if self._head_compiles:  # a one-token prompt gives it its input
             self.head(self.prefill([0], 0, 0, all_positions=False))
         return kv_lens

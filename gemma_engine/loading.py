@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from . import greedy_screen as screening
 from . import parallel, quant, quantized_cache
 from .config import AttentionType, GemmaConfig
 from .errors import CheckpointError, CheckpointNotFoundError, InvalidRequestError, OutOfMemoryError
@@ -347,12 +348,15 @@ def load(
     prefill_chunk: int | None,
     ranks: parallel.Ranks | None = None,
     compiled: bool = True,
+    greedy_screen: bool | None = None,
 ) -> Loaded:
     """Resolve, read, configure, check, quantize and build: the steps of
     ``Engine.from_pretrained``, every check done before the weights are placed.
 
     Under tensor parallelism (``ranks``) each rank reads and builds its part of the model, and
     an error on one rank ends every rank's load with that rank's message (parallel.py).
+    ``greedy_screen``: whether greedy steps read an int8 copy of a float output layer
+    (greedy_screen.py); None, where it is measured to pay off.
     """
     with ranks.together() if ranks is not None else contextlib.nullcontext():
         path = resolve(model)
@@ -413,6 +417,12 @@ def load(
     if shard is not None:
         shard.attach(net)
         shard.notice()
+    if greedy_screen is None:
+        greedy_screen = quantized is None and screening.wanted(net, device, compiled)
+    elif greedy_screen and (why := screening.possible(net, device, compiled)):
+        raise InvalidRequestError(f"greedy_screen: {why}; leave greedy_screen unset")
+    if greedy_screen:
+        screening.attach(net, path)
     net.setup_cache(max_seq_len, max_batch, chunk)
     eos = set(config.eos_token_ids)
     gen_eos = ckpt.generation_config.get("eos_token_id")

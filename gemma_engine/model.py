@@ -420,6 +420,8 @@ class GemmaForCausalLM(nn.Module):
         # Tensor parallelism (parallel.Shard): this rank holds some heads, MLP columns and
         # vocabulary rows; o_proj and down_proj outputs are summed over ranks by hooks.
         self.tp = None
+        # An int8 copy of a float output layer for greedy steps (greedy_screen.py), or None.
+        self.greedy_screen = None
 
     def setup_cache(self, max_seq_len: int, batch: int = 1, chunk: int | None = None) -> None:
         """Allocate the KV cache of ``batch`` sequences and the rope tables once, on the
@@ -464,6 +466,13 @@ class GemmaForCausalLM(nn.Module):
         makes full-sequence logits the largest tensor of a prefill.
         """
         return self.logits(self.hidden(tokens, input_pos, kv_len, rows, all_logits))
+
+    def screened(
+        self, tokens: Tensor, input_pos: Tensor, kv_len: int, rows: Tensor | None = None
+    ) -> Tensor:
+        """A greedy decode step of tokens (B, 1), as ``forward``, through the int8 copy of the
+        output layer (greedy_screen.py) -> (B, hidden + vocab + 1), which its ``pick`` reads."""
+        return self.greedy_screen(self.hidden(tokens, input_pos, kv_len, rows))
 
     def hidden(
         self,

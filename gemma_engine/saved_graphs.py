@@ -37,6 +37,8 @@ import itertools
 import json
 import os
 import shutil
+import tempfile
+import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -120,41 +122,33 @@ class Bound:
         return out
 
 
-def _extracted_folders() -> set[Path]:
-    """The temporary folders holding the packages' shared objects this process has mapped.
+_OPENING = threading.Lock()  # one loader at a time points the temporary directory aside
+
+
+def _open(path: Path) -> Any:
+    """torch's loader of the package at ``path``, leaving nothing in the temporary directory.
 
     The loader unzips a package into a folder of its own under the temporary directory
     (``aotinductor_XXXXXX``), maps the shared object from there, and removes the folder when
     it is destroyed, which a process that leaves with ``os._exit`` (gemma-run) or is killed
-    never does: every run left 3-7 MB behind in /tmp. Once the object is mapped its files are
-    no longer read (the weights are the model's tensors, a CPU graph has no kernel files to
-    load later), so _open() removes the folder at once. Linux; elsewhere none are found."""
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return set()
-    found = set()
-    for line in maps.splitlines():
-        fields = line.split(maxsplit=5)
-        if len(fields) < 6:
-            continue  # an anonymous mapping
-        where = Path(fields[5])
-        for folder in where.parents:
-            if folder.name.startswith("aotinductor_"):
-                if folder.is_dir():
-                    found.add(folder)
-                break
-    return found
-
-
-def _open(path: Path) -> Any:
-    """torch's loader of the package at ``path``, its unzipped copy already removed."""
-    before = _extracted_folders()
-    # (model name, one runner, run with OpenMP as built, the CPU)
-    loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
-    for folder in _extracted_folders() - before:
-        shutil.rmtree(folder, ignore_errors=True)
-    return loader
+    never does: every run left 3-7 MB behind in /tmp, and a damaged package, whose loader
+    fails after unzipping, its folder too. Once the object is mapped its files are no longer
+    read (the weights are the model's tensors, a CPU graph has no kernel files to load later).
+    So the loader unzips into a private folder (``TMPDIR`` pointed at it while it is made),
+    removed at once whether loading worked or not."""
+    with _OPENING:
+        private = tempfile.mkdtemp(prefix="gemma-engine-graph-")
+        before = os.environ.get("TMPDIR")
+        os.environ["TMPDIR"] = private
+        try:
+            # (model name, one runner, run with OpenMP as built, the CPU)
+            return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        finally:
+            if before is None:
+                del os.environ["TMPDIR"]
+            else:
+                os.environ["TMPDIR"] = before
+            shutil.rmtree(private, ignore_errors=True)
 
 
 class BrokenGraph(Exception):

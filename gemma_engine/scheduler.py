@@ -197,12 +197,19 @@ class Scheduler:
         rows = torch.tensor(
             [r.slot.index for r in live] + [s.index for s, _ in pads], device=device
         )
-        fresh = engine.compile and (len(rows), kv_len) not in engine.compile_seconds
+        # Greedy rows that want no logprobs need only the argmax: the int8 screen's graph
+        # finds it without reading the float output layer (greedy_screen.py).
+        screened = engine.screens and all(r.params.greedy and r.logprobs is None for r in live)
+        key = (len(rows), kv_len, "screened") if screened else (len(rows), kv_len)
+        fresh = engine.compile and key not in engine.compile_seconds
         start = time.perf_counter()
-        logits = engine.step(tokens, input_pos, kv_len, rows)[:n, -1]  # (n, vocab)
-        sampled = sample_rows(logits, [r.params for r in live], [r.generator for r in live])
-        sampled = engine.agree(sampled)
-        self._record_logprobs(live, logits, sampled)
+        if screened:
+            sampled = engine.greedy_step(tokens, input_pos, kv_len, rows)[:n]
+        else:
+            logits = engine.step(tokens, input_pos, kv_len, rows)[:n, -1]  # (n, vocab)
+            sampled = sample_rows(logits, [r.params for r in live], [r.generator for r in live])
+            sampled = engine.agree(sampled)
+            self._record_logprobs(live, logits, sampled)
         values = sampled.tolist()
         seconds = time.perf_counter() - start
         for request, value in zip(live, values, strict=True):
@@ -239,7 +246,7 @@ class Scheduler:
         stats = request.stats
         pairs = sorted(set(self.engine.compile_seconds) - request.graphs_before)
         stats["graphs_compiled"] = pairs
-        stats["buckets_compiled"] = sorted({kv for _, kv in pairs})
+        stats["buckets_compiled"] = sorted({key[1] for key in pairs})
         stats["compile_seconds"] = sum(self.engine.compile_seconds[p] for p in pairs)
         seconds = stats["decode_seconds"]
         stats["decode_tokens_per_second"] = stats["decode_tokens"] / seconds if seconds else None

@@ -5,7 +5,9 @@
 
 Contestants (each in its own subprocess, one after another, batch 1):
 
-  engine-bucketed   gemma-engine, compiled decode step, default power-of-two KV buckets
+  engine-bucketed   gemma-engine, compiled decode step, default power-of-two KV buckets (greedy
+                    steps through the int8 copy of a large float output layer: greedy_screen.py)
+  engine-unscreened the same without that copy: every step reads the whole float output layer
   engine-full       gemma-engine, compiled, buckets=[max_seq_len]: every step attends over
                     the whole static buffer (the ablation of bucketing)
   engine-eager      gemma-engine, compile=False
@@ -64,6 +66,7 @@ TEXT_CANDIDATES = [
 ]
 CONTESTANTS = [
     "engine-bucketed",
+    "engine-unscreened",
     "engine-full",
     "engine-eager",
     "engine-int8",
@@ -75,6 +78,7 @@ CONTESTANTS = [
 ]
 LABELS = {
     "engine-bucketed": "gemma-engine, compiled, bucketed (default)",
+    "engine-unscreened": "gemma-engine, compiled, bucketed, no greedy screen",
     "engine-full": "gemma-engine, compiled, full static buffer",
     "engine-eager": "gemma-engine, eager",
     "engine-int8": "gemma-engine, compiled, bucketed, int8 weights",
@@ -165,6 +169,8 @@ class EngineContestant(TorchContestant):
             kw["buckets"] = [self.spec["max_ctx"]]
         if self.variant in ("int8", "int4"):
             kw["quantize"] = self.variant
+        if self.variant == "unscreened":
+            kw["greedy_screen"] = False
         self.engine = Engine.from_pretrained(self.spec["model"], **kw)
         self.cfg = self.engine.config
         self.tok = self.torch.tensor([[self.ids_long[0]]], device=self.device)
@@ -174,6 +180,13 @@ class EngineContestant(TorchContestant):
         self.weight_bytes = sum(
             t.numel() * t.element_size() for t in self.engine.model.state_dict().values()
         )
+        if self.engine.screens:  # a greedy step reads the int8 copy, not the float layer
+            model = self.engine.model
+            head = model.output_layer().weight
+            self.weight_bytes -= head.numel() * head.element_size()
+            self.weight_bytes += sum(
+                t.numel() * t.element_size() for t in model.greedy_screen.buffers()
+            )
 
     def prepare(self, ctx: int) -> None:
         self.pos = self.torch.tensor([ctx - 1], device=self.device)
@@ -181,11 +194,10 @@ class EngineContestant(TorchContestant):
         self.tok = self.torch.tensor([[self.ids_long[ctx - 1]]], device=self.device)
 
     def decode_step(self, ctx: int) -> None:
-        # The engine's own greedy pick (sampling.greedy, what its generate runs), where
+        # The engine's own greedy step (what its generate runs for a greedy request: through
+        # the int8 screen where the engine has one, else sampling.greedy of the logits), where
         # transformers' contestants take torch's argmax as its generate does.
-        from gemma_engine.sampling import greedy
-
-        greedy(self.engine.step(self.tok, self.pos, self.kv_len)[:, -1]).item()
+        self.engine.greedy_step(self.tok, self.pos, self.kv_len).item()
 
     def first_token(self, ids: list[int]) -> None:
         self.engine.generate(ids, max_new_tokens=1)
@@ -483,6 +495,8 @@ class captured_stderr:
 def make_contestant(name: str, spec: dict):
     if name == "engine-bucketed":
         return EngineContestant(spec, "bucketed")
+    if name == "engine-unscreened":
+        return EngineContestant(spec, "unscreened")
     if name == "engine-full":
         return EngineContestant(spec, "full")
     if name == "engine-eager":

@@ -319,7 +319,10 @@ def test_broken_cached_files_are_rebuilt(model, warm_cache, eager_text, tmp_path
                         data, broken = b"\x00garbage" * 8, broken + 1
                     package.writestr(info, data)
     assert broken
-    run = gemma_run(model, cache, "--prompt", PROMPT)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    run = gemma_run(model, cache, "--prompt", PROMPT, env={"TMPDIR": str(temp)})
+    assert not list(temp.glob("aotinductor_*"))  # the failed loader's unzipped copy is gone
     assert "Traceback" not in run.stderr
     assert run.stdout == eager_text.stdout
     (warning,) = warnings(run.stderr)

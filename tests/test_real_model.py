@@ -83,6 +83,8 @@ def assert_same_greedy(got: list[int], want: list[int], logits: torch.Tensor) ->
 def test_greedy_matches_transformers(compile, expected):
     engine = Engine.from_pretrained(None, compile=compile, max_seq_len=256)
     assert engine.config.model_type == "gemma3_text" and engine.config.num_hidden_layers == 18
+    # Compiled, greedy steps read the int8 copy of the output layer first (greedy_screen.py).
+    assert engine.screens == compile
     for ids, tokens, logits in expected:
         first = engine.score(ids)[-1]
         assert (first - logits[0]).abs().max().item() < 1e-3
