@@ -128,11 +128,11 @@ def test_real_model_batched_equals_solo():
     alone = run_alone(eager, prompts, max_new_tokens=20)  # 6-25 prompt tokens: crosses 16 and 32
     assert run_together(eager, prompts, max_new_tokens=20) == alone
     # Compiled (the slow part, ~2 min: two graphs of the real model): one kv
-    # bucket, batch buckets 1 and 2.
+    # bucket, batch buckets 1 and 2, greedy through the int8 screen (greedy_screen.py).
     compiled = Engine.from_pretrained(None, compile=True, max_seq_len=64, buckets=[64], max_batch=2)
     together = run_together(compiled, prompts[:2], max_new_tokens=12)
     assert together == [tokens[:12] for tokens in alone[:2]]
-    assert sorted(compiled.compile_seconds) == [(1, 64), (2, 64)]
+    assert sorted(compiled.compile_seconds) == [(1, 64, "screened"), (2, 64, "screened")]
 
 
 @pytest.fixture(scope="module")
