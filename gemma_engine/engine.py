@@ -42,7 +42,7 @@ from .model import GemmaForCausalLM
 from .request import Generation, Request
 from .sampling import MAX_TOP_LOGPROBS, SamplingParams, greedy
 from .scheduler import Scheduler
-from .slots import batch_buckets
+from .slots import GraphKey, batch_buckets, graph_key
 from .speculative import Speculator, check_speculate
 from .tokenizer import IncrementalDecoder, Tokenizer
 
@@ -77,7 +77,7 @@ class Engine:
         self.device = model.model.embed_tokens.weight.device
         self.compile = compile
         # (batch bucket, kv bucket) -> seconds its first call took (it compiled the graph)
-        self.compile_seconds: dict[tuple[int, int], float] = {}
+        self.compile_seconds: dict[GraphKey, float] = {}
         # Told (with one line of text) when a graph starts compiling and when it is ready:
         # gemma-run prints it, so that a first call's pause is never silent.
         self.on_compile: Callable[[str], None] | None = None
@@ -86,7 +86,7 @@ class Engine:
         self._source: Any = None  # the Checkpoint loaded, less its tensors (save_pretrained)
         self.speculator: Speculator | None = None  # speculative decoding (speculative.py)
         self._saved: Path | None = None  # where whole graphs are saved (saved_graphs.py)
-        self._graphs: dict[tuple[int, int], Callable] = {}  # (batch, kv) -> its graph
+        self._graphs: dict[GraphKey, Callable] = {}  # graph_key(...) -> its graph
         self._compiled: dict[str, Callable] = {}  # torch.compile's model (_torch_compiled)
         self._head_compiled: Callable | None = None  # and its output layer (_compiled_head)
         self._heads: dict[tuple[int, ...], Callable] = {}  # hidden's shape -> the prompt head
@@ -294,7 +294,7 @@ class Engine:
         if not self.compile:
             return function(self.model, *args)
         plain = function is type(self.model).forward
-        key = (B, kv_len) if plain else (B, kv_len, function.__name__)
+        key = graph_key(B, kv_len, screened=not plain)
         graph = self._graphs.get(key)
         if isinstance(graph, saved_graphs.Bound):  # C++ alone, no settings to enter
             return graph(*args)
