@@ -1,10 +1,9 @@
 """The engine: owns the model, its compiled decode graphs and the scheduler; generates text.
 
 Decode reads the KV cache only up to the longest running sequence's length rounded up to a
-bucket. Each (batch bucket, kv bucket) pair is one compiled graph
-(``torch.compile(mode="reduce-overhead", fullgraph=True, dynamic=False)``): shapes inside a
-graph are static, so CUDA graphs apply, and a step never pays for the unused tail of the cache
-beyond its bucket. Requests are queued, admitted into cache rows (slots.py) and stepped
+bucket. Each (batch bucket, kv bucket) pair is one compiled graph (decode_graphs.py): shapes
+inside a graph are static, so CUDA graphs apply, and a step never pays for the unused tail of
+the cache beyond its bucket. Requests are queued, admitted into cache rows (slots.py) and stepped
 together by the scheduler (scheduler.py), on the thread that waits for them; ``submit``
 returns a handle at once, and ``generate``, ``stream`` and ``score`` are clients of the same
 machinery.
@@ -13,11 +12,9 @@ machinery.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import json
 import os
 import shutil
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,9 +22,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import compile_cache, cpu, parallel, quant, saved_graphs
+from . import parallel, quant
 from .chat_format import chat_ids
 from .config import GemmaConfig
+from .decode_graphs import DecodeGraphs, GraphKey
 from .errors import InvalidRequestError
 from .inputs import (
     check_device,
@@ -42,18 +40,14 @@ from .model import GemmaForCausalLM
 from .request import Generation, Request
 from .sampling import MAX_TOP_LOGPROBS, SamplingParams, greedy
 from .scheduler import Scheduler
-from .slots import GraphKey, batch_buckets, graph_key
+from .slots import batch_buckets
 from .speculative import Speculator, check_speculate
 from .tokenizer import IncrementalDecoder, Tokenizer
 
 Prompt = str | list[int]
-# A graph's first call compiles it: minutes for the default model on a small CPU, the first time.
-_CACHE_NOTE = "seconds when the compile cache has it, minutes the first time on a machine"
 
 
 class Engine:
-    _graphs_allowed = 0  # decode graphs that all compiled engines in this process may build
-
     def __init__(
         self,
         model: GemmaForCausalLM,
@@ -76,45 +70,16 @@ class Engine:
         self.eos_token_ids = eos_token_ids
         self.device = model.model.embed_tokens.weight.device
         self.compile = compile
-        # (batch bucket, kv bucket) -> seconds its first call took (it compiled the graph)
-        self.compile_seconds: dict[GraphKey, float] = {}
         # Told (with one line of text) when a graph starts compiling and when it is ready:
         # gemma-run prints it, so that a first call's pause is never silent.
         self.on_compile: Callable[[str], None] | None = None
         self.last_stats: dict[str, Any] = {}  # stats of the latest request, even a stream's
         self.quantization: tuple[str, int | None] | None = None  # (method, group size)
         self._source: Any = None  # the Checkpoint loaded, less its tensors (save_pretrained)
+        self.checkpoint_path: Path | None = None  # where from_pretrained read the weights
         self.speculator: Speculator | None = None  # speculative decoding (speculative.py)
-        self._saved: Path | None = None  # where whole graphs are saved (saved_graphs.py)
-        self._graphs: dict[GraphKey, Callable] = {}  # graph_key(...) -> its graph
-        self._compiled: dict[str, Callable] = {}  # torch.compile's model (_torch_compiled)
-        self._head_compiled: Callable | None = None  # and its output layer (_compiled_head)
-        self._heads: dict[tuple[int, ...], Callable] = {}  # hidden's shape -> the prompt head
-        if compile:
-            folder = compile_cache.use()  # graphs built here are found again by the next process
-            if folder is not None and self.device.type == "cpu" and model.tp is None:
-                self._saved = folder
-            # One graph per (batch, kv) bucket pair: shapes and kv_len are static, so each new
-            # pair compiles once. Dynamo counts graphs per code object, shared by every engine
-            # in the process, so the limit grows by this engine's pairs.
-            # (Dynamo's and inductor's settings are per thread: step() applies them.)
-            Engine._graphs_allowed += len(buckets) * len(batch_buckets(max_batch))
-            if self._saved is None:  # else made only if a graph cannot be saved (Dynamo, ~1 s)
-                self._torch_compiled(type(model).forward)
-        self._head = model.logits
-        self._head_compiles = False  # True: a prompt's logits come from compiled graphs
-        head = model.output_layer()
-        if compile and isinstance(head, quant.QuantizedLinear) and not head.packed:
-            # A prompt's layers run eagerly (lengths vary, the matmuls are large), but its one
-            # row of logits is a product with the whole output matrix, which eagerly would
-            # expand a quantized matrix in full (seconds). Compiled, it streams the quantized
-            # bytes as decode does. Float weights keep MKL's GEMV here: tens of milliseconds,
-            # against a compile of up to 12 s before a fresh process's first token. So does an
-            # int8 output layer with a library's packed copy (packed_int8.py, on x86 CPUs;
-            # engines of several sequences, loading.load): ~9 ms eagerly. Without one, the
-            # saved graph loads with the decode graphs (0.0 s; first token 0.16 s on a Zen 3,
-            # BENCHMARKS.md 2026-12-07).
-            self._head_compiles = True
+        # The compiled graphs (decode_graphs.py), the only place the model is compiled.
+        self.graphs = DecodeGraphs(model, buckets, max_batch, self._tell) if compile else None
         self.scheduler = Scheduler(self)
 
     @classmethod
@@ -186,6 +151,7 @@ class Engine:
         )
         engine.quantization = loaded.quantization
         engine._source = loaded.source  # config and tokenizer, for save_pretrained
+        engine.checkpoint_path = loaded.path
         if method != "none":
             engine.speculator = Speculator(engine, method, draft_tokens)
         return engine
@@ -291,124 +257,9 @@ class Engine:
                     f"{t.dtype} on {t.device}"
                 )
         args = (tokens, input_pos, kv_len, rows)
-        if not self.compile:
+        if self.graphs is None:
             return function(self.model, *args)
-        plain = function is type(self.model).forward
-        key = graph_key(B, kv_len, screened=not plain)
-        graph = self._graphs.get(key)
-        if isinstance(graph, saved_graphs.Bound):  # C++ alone, no settings to enter
-            return graph(*args)
-        if graph is not None:
-            with self._compile_settings():
-                return graph(*args)
-        what = f"the {'decode' if plain else function.__name__ + ' decode'} graph for {B} "
-        what += f"row{'s' * (B > 1)} and kv bucket {kv_len}"
-        graph, out, seconds = self._first_call(
-            what, "once per bucket", function, args, lambda: self._torch_compiled(function)
-        )
-        self._graphs[key] = graph
-        self.compile_seconds[key] = seconds
-        return out
-
-    def _torch_compiled(self, function: Callable) -> Callable:
-        """torch.compile's wrapper of the model's ``function`` (made once): CUDA, tensor
-        parallelism, and a CPU graph that cannot be saved whole (saved_graphs.py)."""
-        if function.__name__ not in self._compiled:
-            compile_cache.before_compiling()
-            for layer in self.model.model.layers:  # CUDA graphs may keep these addresses fixed
-                if (cache := layer.self_attn.cache) is not None:  # KV-shared layers have none
-                    torch._dynamo.mark_static_address(cache.k)
-                    torch._dynamo.mark_static_address(cache.v)
-            target = (
-                self.model
-                if function is type(self.model).forward
-                else getattr(self.model, function.__name__)
-            )
-            self._compiled[function.__name__] = torch.compile(
-                target, mode="reduce-overhead", fullgraph=True, dynamic=False
-            )
-        return self._compiled[function.__name__]
-
-    def _compiled_head(self) -> Callable:
-        if self._head_compiled is None:
-            compile_cache.before_compiling()
-            self._head_compiled = torch.compile(self.model.logits, fullgraph=True, dynamic=False)
-        return self._head_compiled
-
-    @staticmethod
-    @contextlib.contextmanager
-    def _compile_settings() -> Iterator[None]:
-        """Inductor's settings for the engine's graphs and Dynamo's graph limits (both per
-        thread), around every call of a graph that torch.compile may still build."""
-        limit = max(Engine._graphs_allowed, 8)
-        limits = dict(recompile_limit=limit, accumulated_recompile_limit=max(limit, 256))
-        with cpu.compile_config(), torch._dynamo.config.patch(limits):
-            yield
-
-    def _first_call(
-        self,
-        what: str,
-        how_often: str,
-        function: Callable,
-        args: tuple,
-        compiled: Callable[[], Callable],
-    ) -> tuple[Callable, Tensor, float]:
-        """Get the graph of ``function(model, *args)`` and make its first call: (the graph, its
-        result, seconds). On a CPU the graph is loaded whole when saved, else built ahead of
-        time and saved (saved_graphs.py); elsewhere, or where it cannot be saved, ``compiled()``
-        (torch.compile's wrapper of it, taking ``args``) builds it in its first call. Says so
-        before it compiles ``what`` (a loaded graph compiles nothing), and when it is ready,
-        where it came from; if the compile cache gave a broken graph, clears the cache and
-        builds it again."""
-
-        told = False  # once per graph, though a failed export falls back to torch.compile
-
-        def building() -> None:
-            nonlocal told
-            if not told:
-                told = True
-                self._tell(f"compiling {what} ({how_often}; {_CACHE_NOTE})")
-
-        def make() -> tuple[Callable, str | None]:  # (the graph, where it came from)
-            if self._saved is not None:
-                got = saved_graphs.get(self._saved, self.model, function, args, building)
-                if got is not None:
-                    graph, loaded = got
-                    return graph, "from the compile cache" if loaded else "compiled"
-            building()  # (torch.compile may find the code in its cache: then seconds)
-            return compiled(), None
-
-        def call(graph: Callable, source: str | None) -> tuple[Tensor, str]:
-            if source is not None:
-                return graph(*args), source
-            from torch._dynamo.utils import counters
-
-            hits = counters["inductor"]["fxgraph_cache_hit"]
-            with self._compile_settings():
-                out = graph(*args)
-            cached = counters["inductor"]["fxgraph_cache_hit"] > hits
-            return out, "traced, its code from the compile cache" if cached else "compiled"
-
-        start = time.perf_counter()
-        try:
-            with compile_cache.watch_loads() as failures:
-                graph, source = make()
-                out, source = call(graph, source)
-            if failures:
-                raise compile_cache.BrokenEntries(failures)
-        except Exception as err:  # a cached graph that did not load, or does not run
-            if not compile_cache.recover(err):
-                raise
-            # The process's graphs are gone: announce them again.
-            self.compile_seconds.clear()
-            self._graphs.clear()
-            self._heads.clear()
-            graph, source = make()
-            # A step is idempotent: it writes the same cache entries again.
-            out, source = call(graph, source)
-        seconds = time.perf_counter() - start
-        self._tell(f"{what} is ready ({seconds:.1f} s, {source})")
-        return graph, out, seconds
+        return self.graphs.step(function, args)
 
     def prefill(self, ids: list[int], start: int, row: int, all_positions: bool) -> Tensor:
         """Run one prompt chunk ``ids`` at positions ``start``... in cache row ``row`` (eager);
@@ -422,21 +273,15 @@ class Engine:
     @torch.no_grad()  # as step(): grad mode is part of a graph's guards
     def head(self, hidden: Tensor) -> Tensor:
         """Logits of the last prompt position (1, 1, vocab)."""
-        if not self._head_compiles:
-            return self._head(hidden)
-        head = self._heads.get(tuple(hidden.shape))
-        if isinstance(head, saved_graphs.Bound):
-            return head(hidden)
-        if head is not None:
-            with self._compile_settings():
-                return head(hidden)
-        what = "the output layer for prompts"
-        logits_of = type(self.model).logits
-        head, logits, _ = self._first_call(
-            what, "once per process", logits_of, (hidden,), self._compiled_head
-        )
-        self._heads[tuple(hidden.shape)] = head
-        return logits
+        if self.graphs is None or not self.graphs.compiles_head:
+            return self.model.logits(hidden)
+        return self.graphs.head(hidden)
+
+    @property
+    def compile_seconds(self) -> dict[GraphKey, float]:
+        """graph_key(batch bucket, kv bucket, screened) -> seconds its first call took (it
+        built or loaded the graph); empty when not compiled."""
+        return {} if self.graphs is None else self.graphs.compile_seconds
 
     def precompile(
         self, kv_lens: list[int] | None = None, batch: int = 1, greedy: bool = True
@@ -448,7 +293,7 @@ class Engine:
         an int8 screen, greedy_screen.py), else those of sampled ones. Call it before any
         request: it writes one position of the first ``batch`` cache rows (their prompts are
         forgotten). The kv buckets built."""
-        if not self.compile:
+        if self.graphs is None:
             raise InvalidRequestError("precompile needs a compiled engine (compile=True)")
         kv_lens = self.buckets[:2] if kv_lens is None else sorted(set(kv_lens))
         for kv in kv_lens:
@@ -466,7 +311,7 @@ class Engine:
         step = self.greedy_step if greedy else self.step
         for kv in kv_lens:
             step(tokens, torch.full((batch,), kv - 1, device=self.device), kv)
-        if self._head_compiles:  # a one-token prompt gives it its input
+        if self.graphs.compiles_head:  # a one-token prompt gives it its input
             self.head(self.prefill([0], 0, 0, all_positions=False))
         return kv_lens
 

@@ -110,21 +110,26 @@ def _capped(logits: Tensor, softcap: float) -> Tensor:
 def wanted(model: nn.Module, device: torch.device, compiled: bool) -> bool:
     """Whether ``model`` gets a screen by default: a CPU engine with compiled decode and a
     float32 output layer of ``MIN_BYTES`` or more, not sharded over ranks."""
-    return possible(model, device, compiled) is None and (
-        model.output_layer().weight.numel() * 4 >= MIN_BYTES
+    head = model.output_layer()
+    sharded = model.tp is not None
+    return possible(head, head.weight.dtype, device, compiled, sharded) is None and (
+        head.weight.numel() * 4 >= MIN_BYTES
     )
 
 
-def possible(model: nn.Module, device: torch.device, compiled: bool) -> str | None:
-    """Why ``model`` cannot have a screen, or None when it can."""
-    head = model.output_layer()
+def possible(
+    head: nn.Module, dtype: torch.dtype | None, device: torch.device, compiled: bool, sharded: bool
+) -> str | None:
+    """Why a model whose output layer is ``head``, its weights in ``dtype`` (None: they will be
+    quantized), cannot have a screen, or None when it can. ``head`` may be the model's meta
+    skeleton's (loading.load asks before placing any weight)."""
     if device.type != "cpu":
         return f"it runs on CPU engines (this one is on {device.type})"
     if not compiled:
         return "it runs inside compiled decode graphs (this engine is eager)"
-    if model.tp is not None:
+    if sharded:
         return "it does not run under tensor parallelism"
-    if not isinstance(head, (nn.Linear, nn.Embedding)) or head.weight.dtype != torch.float32:
+    if not isinstance(head, (nn.Linear, nn.Embedding)) or dtype != torch.float32:
         return "it screens a float32 output layer (this one is quantized or in another dtype)"
     if head.weight.shape[1] % 4:  # the int8 kernel's words (quant.block_int8)
         return f"it needs a hidden size that is a multiple of 4, not {head.weight.shape[1]}"

@@ -298,7 +298,7 @@ def build_model(
     return model.eval().requires_grad_(False)
 
 
-def _build_from_cache(
+def build_from_cache(
     kept: quantized_cache.Entry | None,
     config: GemmaConfig,
     tensors: dict[str, torch.Tensor],
@@ -333,6 +333,7 @@ class Loaded:
     prefill_chunk: int
     quantization: tuple[str, int | None] | None  # (method, group size)
     source: Checkpoint  # config and tokenizer (its tensors dropped), for save_pretrained
+    path: Path  # the folder or .gguf file it was read from
 
 
 def load(
@@ -385,11 +386,19 @@ def load(
         tokenizer = Tokenizer(ckpt.tokenizer_model)
         tokenizer.check_fits(config.vocab_size)
         quantized = (saved["method"], saved.get("group_size")) if saved else None
+        float_head = dtype if method == "none" and not saved else None  # its weights' dtype
+        sharded = shard is not None
+        if greedy_screen and (
+            why := screening.possible(
+                skeleton.output_layer(), float_head, device, compiled, sharded
+            )
+        ):
+            raise InvalidRequestError(f"greedy_screen: {why}; leave greedy_screen unset")
         # A CPU process keeps what it quantizes for the next one (quantized_cache.py).
         kept = None
         if not saved and method != "none" and shard is None and device.type == "cpu":
             kept = quantized_cache.Entry(path, method, group_size, dtype)
-        net = _build_from_cache(kept, config, ckpt.tensors, device, dtype, (method, group_size))
+        net = build_from_cache(kept, config, ckpt.tensors, device, dtype, (method, group_size))
         if net is not None:
             quantized, kept = (method, group_size), None
         else:
@@ -419,8 +428,6 @@ def load(
         shard.notice()
     if greedy_screen is None:
         greedy_screen = quantized is None and screening.wanted(net, device, compiled)
-    elif greedy_screen and (why := screening.possible(net, device, compiled)):
-        raise InvalidRequestError(f"greedy_screen: {why}; leave greedy_screen unset")
     if greedy_screen:
         screening.attach(net, path)
     net.setup_cache(max_seq_len, max_batch, chunk)
@@ -430,7 +437,7 @@ def load(
     for end in ("<end_of_turn>", "<turn|>"):  # a finished turn ends the text, as in HF
         if tokenizer.has_piece(end):
             eos.add(tokenizer.special_id(end))
-    return Loaded(net, tokenizer, eos, buckets, max_batch, chunk, quantized, ckpt)
+    return Loaded(net, tokenizer, eos, buckets, max_batch, chunk, quantized, ckpt, path)
 
 
 def default_buckets(max_seq_len: int) -> list[int]:

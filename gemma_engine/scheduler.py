@@ -34,7 +34,7 @@ import torch
 
 from .request import Request
 from .sampling import sample_rows, token_logprobs
-from .slots import SlotTable, batch_buckets, graph_key
+from .slots import SlotTable, batch_buckets
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -200,9 +200,7 @@ class Scheduler:
         # Greedy rows that want no logprobs need only the argmax: the int8 screen's graph
         # finds it without reading the float output layer (greedy_screen.py).
         screened = engine.screens and all(r.params.greedy and r.logprobs is None for r in live)
-        fresh = (
-            engine.compile and graph_key(len(rows), kv_len, screened) not in engine.compile_seconds
-        )
+        fresh = engine.graphs is not None and not engine.graphs.built(len(rows), kv_len, screened)
         start = time.perf_counter()
         if screened:
             sampled = engine.greedy_step(tokens, input_pos, kv_len, rows)[:n]

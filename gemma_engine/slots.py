@@ -27,15 +27,6 @@ def batch_buckets(max_batch: int) -> list[int]:
     return [*sizes, max_batch]
 
 
-GraphKey = tuple[int, int] | tuple[int, int, str]
-
-
-def graph_key(batch: int, kv_len: int, screened: bool = False) -> GraphKey:
-    """How ``Engine.compile_seconds`` names a decode graph: (batch, kv bucket), with "screened"
-    for the greedy graphs that read the int8 copy of the output layer (greedy_screen.py)."""
-    return (batch, kv_len, "screened") if screened else (batch, kv_len)
-
-
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     return next((i for i in range(n) if a[i] != b[i]), n)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gemma_engine import Engine, InvalidRequestError, quant
+from gemma_engine import Engine, InvalidRequestError, loading, quant
 from gemma_engine.greedy_screen import GreedyScreen
 
 BUCKETS = [32, 64]
@@ -113,11 +113,19 @@ def test_the_int8_copy_is_kept_for_the_next_process(tiny_checkpoints, monkeypatc
     assert "greedy_screen" not in " ".join(again.model.state_dict())  # never saved
 
 
-def test_the_screen_is_refused_where_it_cannot_run(tiny_checkpoints):
+def test_the_screen_is_refused_where_it_cannot_run(tiny_checkpoints, monkeypatch):
     folder = tiny_checkpoints["gemma3"][0]
-    with pytest.raises(InvalidRequestError, match="compiled decode graphs"):
-        Engine.from_pretrained(folder, compile=False, greedy_screen=True)
-    with pytest.raises(InvalidRequestError, match="float32 output layer"):
-        Engine.from_pretrained(folder, compile=True, quantize="int8", greedy_screen=True)
+
+    def placed(*args, **kwargs):
+        raise AssertionError("the weights were placed before the request was checked")
+
+    with monkeypatch.context() as patch:  # each refused before any weight is placed
+        patch.setattr(loading, "build_model", placed)
+        with pytest.raises(InvalidRequestError, match="compiled decode graphs"):
+            Engine.from_pretrained(folder, compile=False, greedy_screen=True)
+        with pytest.raises(InvalidRequestError, match="float32 output layer"):
+            Engine.from_pretrained(folder, compile=True, quantize="int8", greedy_screen=True)
+        with pytest.raises(InvalidRequestError, match="float32 output layer"):
+            Engine.from_pretrained(folder, compile=True, dtype="bfloat16", greedy_screen=True)
     # By default a tiny output layer goes without: it is read fast enough as it is.
     assert not Engine.from_pretrained(folder, compile=True, max_seq_len=64).screens

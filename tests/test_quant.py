@@ -155,7 +155,7 @@ def test_an_engine_of_one_sequence_goes_without_the_packed_copy(tiny_checkpoints
     )
     head = engine.model.output_layer()
     assert not head.packed and not hasattr(head.weight, "_gemma_packed")
-    assert engine._head_compiles
+    assert engine.graphs.compiles_head
     assert_greedy_decode_matches(engine, dequantized_reference(engine, reference))
     # Eager, or several sequences: the copy is there for their products.
     for kwargs in ({"compile": False, "max_batch": 1}, {"compile": True, "max_batch": 2}):

@@ -158,3 +158,23 @@ def test_the_least_recently_used_entries_go_past_the_limit(cache, checkpoint, mo
     load(checkpoint, "int4")
     (second,) = cache.glob("*.safetensors")
     assert second != first
+
+
+def test_the_int8_draft_shares_the_int8_models_entry(cache, checkpoint, monkeypatch):
+    """speculate="int8" drafts with the matrices quantize="int8" makes of the same checkpoint:
+    whichever process comes first keeps them, the others read them."""
+
+    def drafting():
+        engine = Engine.from_pretrained(
+            checkpoint, compile=False, max_seq_len=32, max_batch=1, speculate="int8"
+        )
+        return engine.speculator.drafter.engine
+
+    first = drafting()
+    assert len(list(cache.glob("*.safetensors"))) == 1
+    with monkeypatch.context() as patch:
+        no_quantizing(patch)
+        int8, again = load(checkpoint), drafting()
+    assert len(list(cache.glob("*.safetensors"))) == 1
+    assert_same_model(int8, first)
+    assert_same_model(again, first)

@@ -239,7 +239,7 @@ def test_compiled_greedy_equals_plain(tiny_checkpoints):
     draft = int8.speculator.drafter.engine
     assert set(draft.compile_seconds) == {(1, 64)}
     # Compiled, the draft steps one row at a time: no GEMM library's packed output layer.
-    assert not draft.model.output_layer().packed and not draft._heads
+    assert not draft.model.output_layer().packed and not draft.graphs.head_graphs
 
 
 def test_an_eager_int8_draft_keeps_the_packed_output_layer(tiny_checkpoints):
