@@ -49,6 +49,7 @@ KEEP_BYTES = 2 << 30
 IN_USE_SECONDS = 3600
 # Inductor's answers about the vector instruction sets (see remember_vector_checks).
 VECTOR_CHECKS = "vector_checks.json"
+SAVED_GRAPHS = "graphs"  # the subfolder of graphs saved whole (saved_graphs.py)
 _folder: Path | None = None  # this process's, once use() found one
 _checks_file: Path | None = None  # its vector checks, once a graph is built
 # Where torch logs a cached graph it could not load (then builds it anew), with a traceback each.
@@ -230,14 +231,14 @@ def trim(folder: Path, keep: Path | None = None) -> None:
     is a saved graph (used: loading touches it), or one of inductor's folders of generated
     code (used: written when a graph is built). Entries written within IN_USE_SECONDS, and
     ``keep``, stay; so do the stamp, the vector checks and the markers of graphs that cannot
-    be saved. Called after a graph is built, never on the way to a first token."""
+    be saved. Called after a graph is built (saved whole, or by torch.compile), never when
+    one is loaded."""
     entries = []
     try:
         for top in folder.iterdir():
             if top.name in (STAMP, VECTOR_CHECKS, "locks") or top.name.startswith("."):
                 continue
-            # ("graphs": saved_graphs.FOLDER, which imports this module)
-            if top.name in ("graphs", "fxgraph", "aotautograd") and top.is_dir():
+            if top.name in (SAVED_GRAPHS, "fxgraph", "aotautograd") and top.is_dir():
                 entries += [p for p in top.iterdir() if p.suffix != ".unsaved"]
             else:
                 entries.append(top)

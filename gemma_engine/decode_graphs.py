@@ -60,11 +60,13 @@ class DecodeGraphs:
         self._compiled: dict[str, Callable] = {}  # torch.compile's model (_torch_compiled)
         self._head_compiled: Callable | None = None  # and its output layer (_compiled_head)
         self.head_graphs: dict[tuple[int, ...], Callable] = {}  # hidden's shape -> its graph
-        self._saved: Path | None = None  # where whole graphs are saved (saved_graphs.py)
-        folder = compile_cache.use()  # graphs built here are found again by the next process
+        # Graphs built here are found again by the next process: in this folder, and on a CPU
+        # saved whole in it (saved_graphs.py).
+        self._folder = compile_cache.use()
+        self._saved: Path | None = None
         device = model.model.embed_tokens.weight.device
-        if folder is not None and device.type == "cpu" and model.tp is None:
-            self._saved = folder
+        if self._folder is not None and device.type == "cpu" and model.tp is None:
+            self._saved = self._folder
         # (Dynamo's and inductor's settings are per thread: step() applies them.)
         self.allow(len(buckets) * len(batch_buckets(max_batch)))
         if self._saved is None:  # else made only if a graph cannot be saved (Dynamo, ~1 s)
@@ -202,8 +204,11 @@ class DecodeGraphs:
             hits = counters["inductor"]["fxgraph_cache_hit"]
             with self._compile_settings():
                 out = graph(*args)
-            cached = counters["inductor"]["fxgraph_cache_hit"] > hits
-            return out, "traced, its code from the compile cache" if cached else "compiled"
+            if counters["inductor"]["fxgraph_cache_hit"] > hits:
+                return out, "traced, its code from the compile cache"
+            if self._folder is not None:  # as saved_graphs.get does after it builds a graph
+                compile_cache.trim(self._folder)
+            return out, "compiled"
 
         start = time.perf_counter()
         try:

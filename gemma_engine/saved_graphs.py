@@ -49,7 +49,7 @@ from torch import Tensor
 
 from . import compile_cache, cpu
 
-FOLDER = "graphs"  # inside the compile cache's folder
+FOLDER = compile_cache.SAVED_GRAPHS  # inside the compile cache's folder
 SUFFIX = ".pt2"
 
 

@@ -203,25 +203,28 @@ def test_a_graph_that_cannot_be_saved_whole_is_compiled_as_usual(tmp_path, monke
 
 UNSAVED = """
 import json, sys
-from gemma_engine import saved_graphs
+from gemma_engine import compile_cache, saved_graphs
 from gemma_engine.engine import Engine
 
 def fails(*args):
     raise RuntimeError("not serializable")
 
+trimmed, trim = [], compile_cache.trim
+compile_cache.trim = lambda folder, keep=None: trimmed.append(folder) or trim(folder, keep)
 saved_graphs.build = fails
 engine = Engine.from_pretrained(sys.argv[1], compile=True, max_seq_len=16, buckets=[16])
 notices = []
 engine.on_compile = notices.append
 engine.generate([5, 6, 7], max_new_tokens=2)
-print(json.dumps(notices))
+print(json.dumps([notices, len(trimmed)]))
 """
 
 
 def test_a_graph_that_cannot_be_saved_whole_is_announced_once(model, tmp_path):
     """A graph whose export fails is compiled by torch.compile instead: one "compiling" line
-    for it (and the one warning), not one per attempt. (A fresh process with a cache of its
-    own: the failure leaves a marker there.)"""
+    for it (and the one warning), not one per attempt, and the cache is trimmed after it as
+    after a saved graph. (A fresh process with a cache of its own: the failure leaves a marker
+    there.)"""
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
     run = subprocess.run(
         [sys.executable, "-c", UNSAVED, str(model)],
@@ -230,10 +233,12 @@ def test_a_graph_that_cannot_be_saved_whole_is_announced_once(model, tmp_path):
         env={**env, "GEMMA_ENGINE_CACHE": str(tmp_path)},
     )
     assert run.returncode == 0, run.stderr
-    assert [n.split(" (")[0] for n in json.loads(run.stdout)] == [
+    notices, trimmed = json.loads(run.stdout)
+    assert [n.split(" (")[0] for n in notices] == [
         "compiling the decode graph for 1 row and kv bucket 16",
         "the decode graph for 1 row and kv bucket 16 is ready",
     ]
+    assert trimmed == 1
     (warning,) = warnings(run.stderr)
     assert "cannot be saved whole" in warning and "not serializable" in warning
 
