@@ -11,7 +11,9 @@ positions through the model at once costs little more than one. Each speculative
 2. the target model runs t, d1..dn at positions p..p+n as n + 1 rows of one batched decode step
    (``Engine.step``: the same compiled graph per (rows, kv bucket) machinery as a batch of
    requests; the rows all read and write the request's own cache row, each row's mask by
-   position hides the later rows' keys);
+   position hides the later rows' keys). A greedy request that wants no logprobs needs only
+   each row's argmax: where the model screens its output layer (greedy_screen.py) the rows go
+   through the screened graph (``Engine.greedy_step``), as a plain greedy step does;
 3. the drafts are checked in order against the target's distribution at each position
    (``accept_drafts``): greedy keeps a draft while it equals the target's argmax, sampling
    keeps it with probability min(1, p(d)/q(d)) and otherwise draws from norm(max(0, p - q)),
@@ -283,7 +285,11 @@ def accept_drafts(
 def accept_greedy(logits: Tensor, drafts: list[int]) -> list[int]:
     """Greedy: the target's argmax at each position, up to and including the first that
     differs from the draft (then the drafts after it are moot)."""
-    best = greedy(logits).tolist()  # (n + 1,)
+    return keep_matching(greedy(logits).tolist(), drafts)
+
+
+def keep_matching(best: list[int], drafts: list[int]) -> list[int]:
+    """``best`` (n + 1 argmaxes) up to and including the first that differs from the draft."""
     n = next((i for i, d in enumerate(drafts) if best[i] != d), len(drafts))
     return best[: n + 1]
 
@@ -303,8 +309,8 @@ class Speculator:
         self.method = method
         self.k = k
         self.drafter = LookupDrafter() if method == "lookup" else Int8Drafter(engine)
-        if engine.compile:  # the verify graphs: k + 1 rows, one per kv bucket
-            DecodeGraphs.allow(len(engine.buckets))
+        if engine.compile:  # the verify graphs: k + 1 rows, one per kv bucket (and screened)
+            DecodeGraphs.allow(len(engine.buckets) * (2 if engine.screens else 1))
 
     def decode(self, scheduler: Scheduler) -> bool:
         """One speculative step for the only running request; False (nothing done) when the
@@ -336,17 +342,23 @@ class Speculator:
         positions = list(range(pos, pos + n + 1)) + [pos + n] * (self.k - n)
         device = engine.device
         kv_len = engine.bucket_for(pos + n + 1)
-        logits = engine.step(
+        args = (
             torch.tensor(rows, device=device)[:, None],
             torch.tensor(positions, device=device),
             kv_len,
             torch.full((self.k + 1,), request.slot.index, device=device),
-        )[: n + 1, -1]  # (n + 1, vocab)
+        )
         params = request.params
-        if params.greedy:
-            tokens = accept_greedy(logits, drafts)
+        logits = None
+        if params.greedy and request.logprobs is None and engine.screens:
+            tokens = keep_matching(engine.greedy_step(*args)[: n + 1].tolist(), drafts)
         else:
-            tokens = accept_drafts(probabilities(logits, params), drafts, q, request.generator)
+            logits = engine.step(*args)[: n + 1, -1]  # (n + 1, vocab)
+            if params.greedy:
+                tokens = accept_greedy(logits, drafts)
+            else:
+                probs = probabilities(logits, params)
+                tokens = accept_drafts(probs, drafts, q, request.generator)
         seconds = time.perf_counter() - start - caught_up
         # The cache row now holds t, d1..d(a) correctly (a = drafts kept); d(a+1).. were
         # written too and are stale until overwritten (see the module doc).

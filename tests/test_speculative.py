@@ -242,6 +242,18 @@ def test_compiled_greedy_equals_plain(tiny_checkpoints):
     assert not draft.model.output_layer().packed and not draft.graphs.head_graphs
 
 
+def test_screened_verify_equals_plain(tiny_checkpoints):
+    """With the int8 screen of the output layer (greedy_screen.py), greedy verify rows go
+    through the screened graph of k + 1 rows, as plain greedy steps go through the one-row
+    one: token-identical."""
+    engine = load(
+        tiny_checkpoints["gemma3"][0], "lookup", compile=True, buckets=[64], greedy_screen=True
+    )
+    plain, spec = plain_and_speculative(engine, REPEATING, max_new_tokens=40)
+    assert spec.token_ids == plain.token_ids and spec.stats["accepted_tokens"] > 0
+    assert set(engine.compile_seconds) == {(1, 64, "screened"), (K + 1, 64, "screened")}
+
+
 def test_an_eager_int8_draft_keeps_the_packed_output_layer(tiny_checkpoints):
     """Eager, the draft's output layer multiplies through the GEMM library's packed copy where
     the CPU has one (packed_int8.py); the compiled draft goes without (test above)."""
