@@ -30,11 +30,11 @@ def rows_on_cpu_compiled(x: Tensor) -> bool:
     return x.shape[-2] == 1 and x.device.type == "cpu" and torch.compiler.is_compiling()
 
 
-# A batched decode step's products on CPU: True, a multiply-reduce with the batch rows inside
-# each weight row (each weight is read once from memory, the few rows stay in cache); False,
-# F.linear (a GEMM). In a microbenchmark on the project's 2-core machine (under load: see the
-# report of issue 11) the fused form was 1.3-3x faster at B = 2, 4, 8 for Gemma 3 270M's
-# shapes, its 262k-row output matrix included (scripts/bench_batched_products.py);
+# A batched decode step's products on CPU: True, one multiply-reduce per batch row over the same
+# weights, fused into one loop (each weight is read once from memory, the few rows stay in cache;
+# see linear); False, F.linear (a GEMM). In a microbenchmark on the project's 2-core machine
+# (under load: see the report of issue 11) the fused form was 1.3-3x faster at B = 2, 4, 8 for
+# Gemma 3 270M's shapes, its 262k-row output matrix included (scripts/bench_batched_products.py);
 # scripts/bench_batch.py --batched-linear gemm measures the other choice end to end.
 BATCHED_FUSED = True
 

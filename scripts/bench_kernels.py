@@ -142,7 +142,7 @@ def batched_rows(args, fused, x, w, q8, s8, lanes) -> list:
     return [
         ("fp32, `F.linear` (MKL GEMM)", "fp32", F.linear, (x, w)),
         (
-            "fp32, compiled rows-inside multiply-reduce (the engine)",
+            "fp32, compiled multiply-reduce per row, fused (the engine)",
             "fp32",
             fused(layers.linear),
             (x, w),
@@ -172,7 +172,7 @@ def contracted(args, fused, x, w, q8, s8, lanes, words8) -> list:
     int8 = engine_int8(q8, s8, lanes)
     return [
         (
-            "fp32, compiled rows-inside multiply-reduce, FMA",
+            "fp32, compiled multiply-reduce per row, fused, FMA",
             "fp32",
             fused(layers.linear, "fast"),
             (x, w),
