@@ -350,7 +350,7 @@ class Speculator:
         )
         params = request.params
         logits = None
-        if params.greedy and request.logprobs is None and engine.screens:
+        if params.greedy and request.logprobs is None:  # screened where the model screens
             tokens = keep_matching(engine.greedy_step(*args)[: n + 1].tolist(), drafts)
         else:
             logits = engine.step(*args)[: n + 1, -1]  # (n + 1, vocab)
