@@ -92,13 +92,13 @@ def run(args) -> dict:
     k = args.tokens_per_step
     speculators = {
         "plain": None,
-        "lookup": Speculator(engine, "lookup", k),
-        "int8": Speculator(engine, "int8", k),
+        "lookup": Speculator(engine, "lookup", k) if "lookup" in args.modes else None,
+        "int8": Speculator(engine, "int8", k) if "int8" in args.modes else None,
     }
     ids = {name: engine.tokenizer.encode(text) for name, text in texts.items()}
     rows, reference = [], {}
     for prompt, prompt_ids in ids.items():
-        for mode in MODES:
+        for mode in args.modes:
             engine.speculator = speculators[mode]
             kwargs = dict(max_new_tokens=args.tokens)
             engine.clear_cache()
@@ -131,6 +131,11 @@ def run(args) -> dict:
         verify = step_seconds(engine, k + 1, pos, args.step_repeats)
     cost = {"position": pos, "k": k, "step_ms": plain * 1e3, "verify_ms": verify * 1e3}
     cost["screened"] = engine.screens
+    if speculators["int8"] is not None:  # its steps of one row, and of two (catching up)
+        draft = speculators["int8"].drafter.engine
+        with torch.no_grad():
+            for n in (1, 2):
+                cost[f"draft_{n}_ms"] = step_seconds(draft, n, pos, args.step_repeats) * 1e3
     print(json.dumps(cost), flush=True)
     return {"rows": rows, "verify_cost": cost}
 
@@ -163,6 +168,12 @@ def markdown(results: dict, args) -> str:
             " Greedy steps, plain and verify, read the int8 screen of the output layer "
             "(greedy_screen.py)."
         )
+    if "draft_1_ms" in c:
+        cost += (
+            f" One int8 draft step: {c['draft_1_ms']:.1f} ms for one row, {c['draft_2_ms']:.1f} "
+            "ms for two (the last draft and the target's added token, after a step that kept "
+            "every draft)."
+        )
     return f"{table}\n\n{cost}"
 
 
@@ -174,6 +185,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chars", type=int, default=1200, help="length of the excerpt")
     p.add_argument("--bucket", type=int, default=1024, help="max_seq_len and the one kv bucket")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--modes",
+        type=lambda text: [m for m in text.split(",") if m],
+        default=list(MODES),
+        help=f"comma-separated, from {','.join(MODES)} (plain always runs: the baseline)",
+    )
     p.add_argument("--step-repeats", type=int, default=20)
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--no-compile", action="store_true")
@@ -181,6 +198,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--append", action="store_true", help="append a dated section to BENCHMARKS.md")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
+    unknown = set(args.modes) - set(MODES)
+    if unknown:
+        p.error(f"--modes: unknown {', '.join(sorted(unknown))}; choose from {', '.join(MODES)}")
+    args.modes = [m for m in MODES if m == "plain" or m in args.modes]
     if args.smoke:
         args.tokens, args.chars, args.bucket, args.repeats, args.step_repeats = 12, 200, 256, 1, 2
         args.no_compile = True
