@@ -75,7 +75,7 @@ class GreedyScreen(nn.Module):
         output. Runs inside a compiled decode graph (the one-token int8 kernel)."""
         B = hidden.shape[0]
         h = materialized(hidden.reshape(B, self.width))
-        approx = torch.stack([quant.matvec_int8(h[i], self.blocks, self.scale) for i in range(B)])
+        approx = quant.matvec_int8_rows(h, self.blocks, self.scale)  # (B, V)
         error = self.margin * h.abs().sum(-1, keepdim=True)  # (B, V)
         floor = (approx - error).amax(-1, keepdim=True)
         return torch.cat([h, approx + error, floor], dim=-1)

@@ -99,6 +99,22 @@ def test_compiled_matvecs_match_the_dequantized_product(lanes, rows, words):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("words", [True, False])
+def test_compiled_int8_rows_equal_each_rows_own_product(words):
+    """A product of several rows reads the matrix as one row group per row
+    (quant.matvec_int8_rows), not quant.STREAMS of them: each output is still the one-row
+    kernel's sum, bit for bit, and matches the expanded weights."""
+    torch.manual_seed(0)
+    w, x = torch.randn(512, 256), torch.randn(3, 256)
+    q, scale = quant.quantize_int8(w)
+    blocks = quant.block_int8(q, 8, words)
+    got = torch.compile(quant.matvec_int8_rows, fullgraph=True)(x, blocks, scale)
+    one = torch.compile(quant.matvec_int8, fullgraph=True)
+    assert torch.equal(got, torch.cat([one(row[None], blocks, scale) for row in x]))
+    expect = x @ quant.dequantize_int8(q, scale, torch.float32).T
+    torch.testing.assert_close(got, expect, atol=1e-4, rtol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def quantized(tiny_checkpoints):
     folder, reference = tiny_checkpoints[KIND]
