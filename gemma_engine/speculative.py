@@ -152,7 +152,7 @@ class Int8Drafter:
     ``self.tokens`` are the positions its cache holds; a draft first brings them in line with
     the request's context by common prefix (which is also how rejected drafts are rolled
     back), prefilling a long gap eagerly and feeding one or two missing tokens through its
-    compiled step (two as one step of two rows: a graph per kv bucket of its own).
+    compiled step.
     """
 
     name = "int8"
@@ -186,11 +186,10 @@ class Int8Drafter:
             if kept is not None:
                 kept.write(quantized_cache.quantized_tensors(model))
         if device.type == "cpu":
-            # Compiled, it steps one or two rows inside its graphs, which read the blocked
-            # matrix: the GEMM library's packed copy would serve eager calls alone (without
-            # it the default model's draft was set up in ~2.5 instead of ~4.3 s on an AVX2
-            # Zen 3). Its prompts go through prefill (hidden states, no logits): no compiled
-            # output layer either.
+            # Compiled, it only ever steps one row, which reads the blocked matrix: the GEMM
+            # library's packed copy would serve eager calls alone (without it the default
+            # model's draft was set up in ~2.5 instead of ~4.3 s on an AVX2 Zen 3). Its prompts
+            # go through prefill (hidden states, no logits): no compiled output layer either.
             quant.to_kernel_layout(model, None if engine.compile else model.output_layer())
         model.setup_cache(engine.max_seq_len, 1, engine.prefill_chunk)
         self.engine = Engine(
@@ -202,8 +201,6 @@ class Int8Drafter:
             prefill_chunk=engine.prefill_chunk,
         )
         self.engine.on_compile = lambda text: engine._tell(f"int8 draft: {text}")
-        if engine.compile:  # its two-row steps (``_logits``), one graph per kv bucket
-            DecodeGraphs.allow(len(engine.buckets))
         cfg = target.config
         self.window = cfg.sliding_window if cfg.has_sliding_layers else None
         self.ring = model.ring
@@ -227,42 +224,30 @@ class Int8Drafter:
                 draft.prefill(chunk, s, 0, all_positions=False)
             p = len(context) - 1
             self.prefill_seconds += time.perf_counter() - start
-        # One or two tokens to feed, the last the request's own; two when every draft of the
-        # last step was kept: the last draft (never fed) and the token the target added. Both
-        # go through one step of two rows, which reads the weights once.
-        feed = context[p:]
+        feed = context[p:]  # one or two tokens: the last is the request's own
         params, generator = request.params, request.generator
         drafts: list[int] = []
         dists: list[Tensor] = []
-        logits = self._logits(feed, p)
-        pos = p + len(feed)
-        while True:
+        pos = p
+        while len(drafts) < k:
+            token = feed[pos - p] if pos - p < len(feed) else drafts[-1]
+            logits = draft.step(
+                torch.tensor([[token]], device=draft.device),
+                torch.tensor([pos], device=draft.device),
+                draft.bucket_for(pos + 1),
+            )[:, -1]  # (1, vocab)
+            pos += 1
+            if pos < len(context):
+                continue  # a catch-up token: its logits predict a known token
             if params.greedy:
                 drafts.append(int(greedy(logits)))
             else:
                 q = probabilities(logits, params)
                 drafts.append(int(torch.multinomial(q, 1, generator=generator)))
                 dists.append(q[0])
-            if len(drafts) == k:
-                break
-            logits = self._logits(drafts[-1:], pos)
-            pos += 1
         self.tokens = context + drafts[:-1]  # every token fed, at positions 0..pos-1
         self.written = max(self.written, pos)
         return drafts, torch.stack(dists) if dists else None
-
-    def _logits(self, tokens: list[int], pos: int) -> Tensor:
-        """The next token's logits (1, vocab) after ``tokens`` at positions pos, pos + 1, ...:
-        one decode step whose rows all write the draft's one cache row (as a verify step's)."""
-        draft, n = self.engine, len(tokens)
-        device = draft.device
-        logits = draft.step(
-            torch.tensor(tokens, device=device)[:, None],
-            torch.arange(pos, pos + n, device=device),
-            draft.bucket_for(pos + n),
-            torch.zeros(n, dtype=torch.long, device=device),
-        )
-        return logits[-1:, -1]
 
 
 # -- accepting and rejecting ------------------------------------------------------------------
