@@ -12,10 +12,11 @@ is shared and the speculators add their verify graph (k + 1 rows) and the int8 d
 - int8: an int8 copy of the model drafting k tokens.
 
 A warm-up generation of each mode and prompt compiles first (and checks that its tokens are
-the plain ones: "identical" in the table); then ``--repeats`` generations, each reporting its
-decode tok/s (``Generation.stats``), of which the median is shown with the acceptance rate
-(drafts kept / drafted) and the speedup over plain. The cost of verifying k drafts: the median
-time of one (k + 1)-row verify step against one plain step, at the rewrite prompt's length.
+the plain ones: "identical" in the table); then ``--repeats`` rounds in which the modes take
+turns, each generation reporting its decode tok/s (``Generation.stats``). The table shows each
+mode's median with the acceptance rate (drafts kept / drafted) and the speedup over plain.
+The cost of verifying k drafts: the median time of one (k + 1)-row verify step against one
+plain step, at the rewrite prompt's length.
 
     .venv/bin/python scripts/bench_speculative.py [--tokens 128] [--repeats 3]
         [--tokens-per-step 4] [--append] [--json out.json]
@@ -96,31 +97,41 @@ def run(args) -> dict:
         "int8": Speculator(engine, "int8", k) if "int8" in args.modes else None,
     }
     ids = {name: engine.tokenizer.encode(text) for name, text in texts.items()}
-    rows, reference = [], {}
+    kwargs = dict(max_new_tokens=args.tokens)
+
+    def generate(mode: str, prompt_ids: list[int]):
+        engine.speculator = speculators[mode]
+        engine.clear_cache()
+        return engine.generate(prompt_ids, **kwargs)
+
+    rows = []
     for prompt, prompt_ids in ids.items():
+        # A warm-up generation of each mode compiles its graphs and gives the tokens to
+        # compare; then the modes take turns, so that a slower phase of the machine falls
+        # on all of them alike (the VM's speed drifts by 10-20% over minutes).
+        warm = {mode: generate(mode, prompt_ids) for mode in args.modes}
+        rates = {mode: [] for mode in args.modes}
+        drafted = dict.fromkeys(args.modes, 0)
+        kept = dict.fromkeys(args.modes, 0)
+        for _ in range(args.repeats):
+            for mode in args.modes:
+                out = generate(mode, prompt_ids)
+                rates[mode].append(out.stats["decode_tokens_per_second"] or 0.0)
+                drafted[mode] += out.stats["drafted_tokens"]
+                kept[mode] += out.stats["accepted_tokens"]
         for mode in args.modes:
-            engine.speculator = speculators[mode]
-            kwargs = dict(max_new_tokens=args.tokens)
-            engine.clear_cache()
-            warm = engine.generate(prompt_ids, **kwargs)  # compiles; the tokens to compare
-            reference.setdefault(prompt, warm.token_ids)
-            rates, drafted, kept = [], 0, 0
-            for _ in range(args.repeats):
-                engine.clear_cache()
-                out = engine.generate(prompt_ids, **kwargs)
-                rates.append(out.stats["decode_tokens_per_second"] or 0.0)
-                drafted += out.stats["drafted_tokens"]
-                kept += out.stats["accepted_tokens"]
             row = {
                 "prompt": prompt,
                 "prompt_tokens": len(prompt_ids),
                 "mode": mode,
-                "new_tokens": len(warm.token_ids),
-                "tok_s": statistics.median(rates),
-                "tok_s_all": rates,
-                "acceptance": kept / drafted if drafted else None,
-                "drafted_per_run": drafted / args.repeats,
-                "identical": warm.token_ids == reference[prompt],
+                "new_tokens": len(warm[mode].token_ids),
+                "tok_s": statistics.median(rates[mode]),
+                "tok_s_all": rates[mode],
+                "acceptance": kept[mode] / drafted[mode] if drafted[mode] else None,
+                "drafted_per_run": drafted[mode] / args.repeats,
+                # each round's tok/s over plain's in the same round
+                "per_round": [a / b for a, b in zip(rates[mode], rates["plain"], strict=True)],
+                "identical": warm[mode].token_ids == warm["plain"].token_ids,
             }
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -139,6 +150,13 @@ def run(args) -> dict:
     return {"rows": rows, "verify_cost": cost}
 
 
+def _per_round(ratios: list[float] | None) -> str:
+    """The median of the rounds' ratios to plain, and their range."""
+    if not ratios:
+        return ""
+    return f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}x)"
+
+
 def markdown(results: dict, args) -> str:
     base = {r["prompt"]: r["tok_s"] for r in results["rows"] if r["mode"] == "plain"}
     rows = []
@@ -149,13 +167,15 @@ def markdown(results: dict, args) -> str:
                 r["mode"],
                 f"{r['tok_s']:.1f}",
                 f"{r['tok_s'] / base[r['prompt']]:.2f}x" if base.get(r["prompt"]) else "",
+                _per_round(r.get("per_round")),
                 "" if r["acceptance"] is None else f"{r['acceptance']:.0%}",
                 f"{r['drafted_per_run']:.0f}",
                 "yes" if r["identical"] else "**no**",
             ]
         )
-    head = ["prompt", "mode", "decode tok/s", "vs plain", "drafts kept", "drafted", "identical"]
-    table = bu.md_table(head, rows, "llrrrrl")
+    head = ["prompt", "mode", "decode tok/s", "vs plain", "per round", "drafts kept", "drafted"]
+    head.append("identical")
+    table = bu.md_table(head, rows, "llrrrrrl")
     c = results["verify_cost"]
     cost = (
         f"Verifying k = {c['k']} drafts (one step of {c['k'] + 1} rows at position "
@@ -179,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens-per-step", type=int, default=4, help="k, drafts per step")
     p.add_argument("--chars", type=int, default=1200, help="length of the excerpt")
     p.add_argument("--bucket", type=int, default=1024, help="max_seq_len and the one kv bucket")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5, help="rounds in which the modes alternate")
     p.add_argument(
         "--modes",
         type=lambda text: [m for m in text.split(",") if m],
@@ -213,7 +233,9 @@ def main(argv: list[str] | None = None) -> None:
             f"Machine: {bu.machine_line(info)}\n\nVersions: {bu.versions_line(info)}\n\n"
             f"Command: `{bu.command_line(argv)}`\n\n"
             f"Exact fp32 greedy, {args.tokens} new tokens, k = {args.tokens_per_step}, medians of "
-            f"{args.repeats} runs (a warm-up run first; `identical`: the same tokens as plain).\n\n"
+            f"{args.repeats} rounds in which the modes alternate (a warm-up run of each first; "
+            "`per round`: the median and range of each round's ratio to plain; `identical`: the "
+            "same tokens as plain).\n\n"
             f"{table}\n"
         )
         bu.append_section(bu.BENCHMARKS_MD, section)
