@@ -18,8 +18,8 @@ mode's median with the acceptance rate (drafts kept / drafted) and the speedup o
 The cost of verifying k drafts: the median time of one (k + 1)-row verify step against one
 plain step, at the rewrite prompt's length.
 
-    .venv/bin/python scripts/bench_speculative.py [--tokens 128] [--repeats 3]
-        [--tokens-per-step 4] [--append] [--json out.json]
+    .venv/bin/python scripts/bench_speculative.py [--tokens 128] [--repeats 5]
+        [--tokens-per-step 4] [--modes plain,lookup,int8] [--append] [--json out.json]
     .venv/bin/python scripts/bench_speculative.py --smoke   # eager, tiny: does it run
 """
 
