@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import cpu, quant, quantized_cache
+from . import cpu, quant, quant_kernels, quantized_cache
 from .layers import materialized
 from .sampling import greedy
 
@@ -64,7 +64,7 @@ class GreedyScreen(nn.Module):
         super().__init__()
         vocab, width = q.shape
         self.vocab, self.width = vocab, width
-        blocks = quant.block_int8(q, cpu.vector_lanes(), words=quant.int8_words())
+        blocks = quant_kernels.block_int8(q, cpu.vector_lanes(), words=quant_kernels.int8_words())
         self.register_buffer("blocks", blocks, persistent=False)
         self.register_buffer("scale", scale.float(), persistent=False)
         self.register_buffer("margin", scale.float() * slack(width), persistent=False)
@@ -75,7 +75,7 @@ class GreedyScreen(nn.Module):
         output. Runs inside a compiled decode graph (the one-token int8 kernel)."""
         B = hidden.shape[0]
         h = materialized(hidden.reshape(B, self.width))
-        approx = quant.matvec_int8_rows(h, self.blocks, self.scale)  # (B, V)
+        approx = quant_kernels.matvec_int8_rows(h, self.blocks, self.scale)  # (B, V)
         error = self.margin * h.abs().sum(-1, keepdim=True)  # (B, V)
         floor = (approx - error).amax(-1, keepdim=True)
         return torch.cat([h, approx + error, floor], dim=-1)
@@ -131,7 +131,7 @@ def possible(
         return "it does not run under tensor parallelism"
     if not isinstance(head, (nn.Linear, nn.Embedding)) or dtype != torch.float32:
         return "it screens a float32 output layer (this one is quantized or in another dtype)"
-    if head.weight.shape[1] % 4:  # the int8 kernel's words (quant.block_int8)
+    if head.weight.shape[1] % 4:  # the int8 kernel's words (quant_kernels.block_int8)
         return f"it needs a hidden size that is a multiple of 4, not {head.weight.shape[1]}"
     return None
 

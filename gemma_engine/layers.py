@@ -113,7 +113,7 @@ def one_query_attention(
     q: (B, KV, G, D), the G query heads that share each key head; keys and values: (B, KV, S,
     D); visible: (B, 1, 1, S). Returns (B, KV, G, D). One reduction per query head, all over the
     same keys, which inductor fuses into one loop that reads each key once (as it fuses a
-    product's row groups, see quant.matvec_int8), and both threads share it; MKL ran these
+    product's row groups, see quant_kernels.matvec_int8), and both threads share it; MKL ran these
     small products mostly on one thread. The weights are normalised after the weighted sum, once per
     output: inlined into that sum, the division ran once per key and output vector, a scalar
     division that cost as much as the product. The same sums in another order: not bit for

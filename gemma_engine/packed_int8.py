@@ -1,6 +1,6 @@
 """The int8 output layer's product through PyTorch's integer GEMM libraries (oneDNN, fbgemm).
 
-Inductor's int8 kernels (quant.matvec_int8) widen every weight byte to a float in vector
+Inductor's int8 kernels (quant_kernels.matvec_int8) widen every weight byte to a float in vector
 registers before multiplying: on the project's AVX-512 VM the 262,144 x 640 output layer of
 Gemma 3 270M streamed at 48% of read bandwidth that way (a hand-written four-accumulator FMA
 loop reached 61%), about half of an int8 decode step. oneDNN and fbgemm multiply bytes with
@@ -10,9 +10,9 @@ under AVX2 (scripts/bench_kernels.py). One library call per step costs ~20 us of
 only the output layer takes this path; the layers' small matrices stay in the graph, where
 the same call per layer measured slower end to end (BENCHMARKS.md, issue #14).
 
-Since inductor's kernel reads four groups of rows side by side (quant.matvec_int8), it streams
-one token's product faster than both libraries (quant.to_kernel_layout has the figures): the
-packed copy now serves the products of several rows (batched steps) and eager calls.
+Since inductor's kernel reads four groups of rows side by side (quant_kernels.matvec_int8), it
+streams one token's product faster than both libraries (quant.to_kernel_layout has the
+figures): the packed copy now serves the products of several rows (batched steps) and eager calls.
 
 The libraries multiply uint8 activations by int8 weights. To keep the engine's int8 mode the
 exact product of its quantized weights (the tests compare it with transformers on the expanded
@@ -66,7 +66,7 @@ def backend() -> str | None:
     ):
         return "onednn"
     # fbgemm is reached through quantized tensors, which torch 2.13 marks deprecated: a torch
-    # without them keeps inductor's kernel (quant.matvec_int8) for the output layer too.
+    # without them keeps inductor's kernel (quant_kernels.matvec_int8) for the output layer too.
     if (
         capability in ("AVX2", "AVX512")
         and "fbgemm" in engines

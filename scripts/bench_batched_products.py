@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gemma_engine import cpu, quant  # noqa: E402
+from gemma_engine import cpu, quant, quant_kernels  # noqa: E402
 
 
 def fused(x, w):
@@ -37,7 +37,7 @@ def gemm(x, w):
 
 
 def i8_per_row(x, words, scale):
-    return quant.matvec_int8_rows(x.reshape(-1, x.shape[-1]), words, scale)  # the engine's
+    return quant_kernels.matvec_int8_rows(x.reshape(-1, x.shape[-1]), words, scale)  # the engine's
 
 
 def i8_fused_inner(x, words, scale):
@@ -45,11 +45,11 @@ def i8_fused_inner(x, words, scale):
     rows = x.reshape(-1, x.shape[-1])
     x4 = rows.reshape(rows.shape[0], kw, 4).float()
     acc = sum(
-        (x4[None, :, :, j, None] * quant._top_byte(words, j).float()[:, None]).sum(2)
+        (x4[None, :, :, j, None] * quant_kernels._top_byte(words, j).float()[:, None]).sum(2)
         for j in range(4)
     )  # (nb, R, L), times 2**24
     out = acc.transpose(0, 1).reshape(rows.shape[0], nb * lanes)[:, : scale.shape[0]]
-    return out * (scale * quant.WORD_UNSCALE)
+    return out * (scale * quant_kernels.WORD_UNSCALE)
 
 
 def i8_dequant_gemm(x, q, scale):
@@ -79,8 +79,9 @@ def main() -> None:
         n, k = (int(v) for v in shape.split("x"))
         w = torch.randn(n, k) * 0.05
         q, scale = quant.quantize_int8(w)
-        words = quant.block_int8(q, lanes, quant.int8_words())  # the engine's layout here
-        word_blocks = quant.block_int8(q, lanes)  # i8_fused_inner reads words on any CPU
+        # the engine's layout here
+        words = quant_kernels.block_int8(q, lanes, quant_kernels.int8_words())
+        word_blocks = quant_kernels.block_int8(q, lanes)  # i8_fused_inner reads words on any CPU
         x = torch.randn(1, 1, k)
         one = (milliseconds(fused, x, w), milliseconds(i8_per_row, x, words, scale))
         print(f"N={n} K={k} B=1: fp32 fused {one[0]:.3f} ms, int8 kernel {one[1]:.3f} ms")

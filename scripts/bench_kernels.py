@@ -32,7 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _benchutil as bu  # noqa: E402
 
-from gemma_engine import cpu, layers, packed_int8, quant  # noqa: E402
+from gemma_engine import cpu, layers, packed_int8, quant, quant_kernels  # noqa: E402
 
 
 def median_ms(fn, *args, repeats: int) -> float:
@@ -89,7 +89,7 @@ def one_row(args, fused, x, w, q8, s8, q4, lanes, words8, blocked4) -> list:
         (
             f"int8, compiled, {unit} blocked by {lanes} rows (the engine's layers)",
             "int8",
-            fused(quant.matvec_int8),
+            fused(quant_kernels.matvec_int8),
             (x, words8, s8),
         ),
         (
@@ -107,7 +107,7 @@ def one_row(args, fused, x, w, q8, s8, q4, lanes, words8, blocked4) -> list:
         (
             f"int4 g{g}, compiled, int32 words blocked by {lanes} rows (the engine)",
             "int4",
-            fused(lambda x, *t: quant.matvec_int4(x, *t, n)),
+            fused(lambda x, *t: quant_kernels.matvec_int4(x, *t, n)),
             (x, *blocked4),
         ),
     ]
@@ -165,7 +165,7 @@ def contracted(args, fused, x, w, q8, s8, lanes, words8) -> list:
             (
                 f"int8, compiled, {unit} blocked, FMA",
                 "int8",
-                fused(quant.matvec_int8, "fast"),
+                fused(quant_kernels.matvec_int8, "fast"),
                 (x, words8, s8),
             ),
         ]
@@ -219,8 +219,9 @@ def main() -> None:
     q8, s8 = quant.quantize_int8(w)
     q4 = quant.quantize_int4(w, args.group_size)
     lanes = cpu.vector_lanes()
-    words8 = quant.block_int8(q8, lanes, quant.int8_words())  # the engine's layout here
-    blocked4 = quant.block_int4(*q4, lanes)
+    # the engine's layout here
+    words8 = quant_kernels.block_int8(q8, lanes, quant_kernels.int8_words())
+    blocked4 = quant_kernels.block_int4(*q4, lanes)
 
     def fused(fn, contract: str = "off"):
         compiled = torch.compile(fn, fullgraph=True, dynamic=False)

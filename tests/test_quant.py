@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gemma_engine import Engine, InvalidRequestError, cpu, packed_int8, quant
+from gemma_engine import Engine, InvalidRequestError, cpu, packed_int8, quant, quant_kernels
 from gemma_engine.cli import main as cli_main
 
 KIND = "gemma3"  # MQA, QK-norm, sliding and global layers
@@ -86,31 +86,31 @@ def test_compiled_matvecs_match_the_dequantized_product(lanes, rows, words):
     q4 = quant.quantize_int4(w, 32)
     expect8 = x @ quant.dequantize_int8(*q8, torch.float32).T
     expect4 = x @ quant.dequantize_int4(*q4, torch.float32).T
-    words8 = quant.block_int8(q8[0], lanes, words)
+    words8 = quant_kernels.block_int8(q8[0], lanes, words)
     assert words8.dtype == (torch.int32 if words else torch.int8)
-    blocked4 = quant.block_int4(*q4, lanes)
-    got8 = torch.compile(quant.matvec_int8, fullgraph=True)(x, words8, q8[1])
-    got4 = torch.compile(quant.matvec_int4, fullgraph=True)(x, *blocked4, rows)
+    blocked4 = quant_kernels.block_int4(*q4, lanes)
+    got8 = torch.compile(quant_kernels.matvec_int8, fullgraph=True)(x, words8, q8[1])
+    got4 = torch.compile(quant_kernels.matvec_int4, fullgraph=True)(x, *blocked4, rows)
     torch.testing.assert_close(got8, expect8, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(got4, expect4, atol=1e-4, rtol=1e-5)
     # The layouts are lossless: saved tensors come back bit for bit.
-    assert torch.equal(quant.unblock_int8(words8, rows), q8[0])
-    for a, b in zip(quant.unblock_int4(*blocked4, rows), q4, strict=True):
+    assert torch.equal(quant_kernels.unblock_int8(words8, rows), q8[0])
+    for a, b in zip(quant_kernels.unblock_int4(*blocked4, rows), q4, strict=True):
         assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("words", [True, False])
 def test_compiled_int8_rows_equal_each_rows_own_product(words):
     """A product of several rows reads the matrix as one row group per row
-    (quant.matvec_int8_rows), not quant.STREAMS of them: each output is still the one-row
-    kernel's sum, bit for bit, and matches the expanded weights."""
+    (quant_kernels.matvec_int8_rows), not quant_kernels.STREAMS of them: each output is still
+    the one-row kernel's sum, bit for bit, and matches the expanded weights."""
     torch._dynamo.reset()  # the test above compiled matvec_int8 for 12 shapes: past the limit
     torch.manual_seed(0)
     w, x = torch.randn(512, 256), torch.randn(3, 256)
     q, scale = quant.quantize_int8(w)
-    blocks = quant.block_int8(q, 8, words)
-    got = torch.compile(quant.matvec_int8_rows, fullgraph=True)(x, blocks, scale)
-    one = torch.compile(quant.matvec_int8, fullgraph=True)
+    blocks = quant_kernels.block_int8(q, 8, words)
+    got = torch.compile(quant_kernels.matvec_int8_rows, fullgraph=True)(x, blocks, scale)
+    one = torch.compile(quant_kernels.matvec_int8, fullgraph=True)
     assert torch.equal(got, torch.cat([one(row[None], blocks, scale) for row in x]))
     expect = x @ quant.dequantize_int8(q, scale, torch.float32).T
     torch.testing.assert_close(got, expect, atol=1e-4, rtol=1e-5)
@@ -288,7 +288,7 @@ def test_kernel_layout_follows_the_capability(quantized):
         blocked = {m for m in model.modules() if isinstance(m, quant.QuantizedLinear)}
         lanes = {m.lanes for m in blocked}
         assert lanes == {cpu.vector_lanes()} == {16 if expected == "AVX512" else 8}
-        # int8 blocks hold bytes under AVX-512, int32 words elsewhere (quant.int8_words)
+        # int8 blocks hold bytes under AVX-512, int32 words elsewhere (quant_kernels.int8_words)
         if method == "int8":
             int8 = {m.weight.dtype for m in blocked}
             assert int8 == {torch.int8 if expected == "AVX512" else torch.int32}
@@ -313,7 +313,7 @@ def test_packed_int8_product_matches_the_dequantized_product(library):
     torch.testing.assert_close(got, expect, atol=1e-4, rtol=1e-5)
     assert got[2].eq(0).all()
     # The copy may sit on a blocked matrix (quant.to_kernel_layout), whose rows are then given.
-    blocked = quant.block_int8(q, 8)
+    blocked = quant_kernels.block_int8(q, 8)
     blocked._gemma_packed = q._gemma_packed
     assert torch.equal(packed_int8.product(x, blocked, 300), got)
     torch.testing.assert_close(got[3] * 1e20, expect[3] * 1e20, atol=1e-4, rtol=1e-5)
