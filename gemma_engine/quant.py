@@ -349,12 +349,25 @@ class Int8Linear(QuantizedLinear):
 
     def embed(self, tokens: Tensor) -> Tensor:
         """Rows of the matrix for ``tokens``: the lookup of a quantized embedding."""
+        q, scale = self.rows(tokens)
+        return (q.float() * scale[..., None]).to(self.dtype)
+
+    def rows(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """The int8 rows (..., K) of ``tokens`` and their scales (...), in either layout."""
         if self.lanes is None:
-            rows = self.weight[tokens]  # (..., K)
-        else:  # row t is column t % L of block t // L (words or bytes)
-            cols = self.weight[tokens // self.lanes, :, tokens % self.lanes]  # (..., K')
-            rows = cols.contiguous().view(torch.int8)
-        return (rows.float() * self.scale[tokens][..., None]).to(self.dtype)
+            return self.weight[tokens], self.scale[tokens]
+        # Row t is column t % L of block t // L (words or bytes).
+        cols = self.weight[tokens // self.lanes, :, tokens % self.lanes]  # (..., K')
+        return cols.contiguous().view(torch.int8), self.scale[tokens]
+
+    def set_rows(self, rows: Tensor, q: Tensor, scale: Tensor) -> None:
+        """Write int8 rows ``q`` (n, K) and their scales (n,) at ``rows`` (n,), in place: a
+        compiled graph keeps reading these tensors."""
+        if self.lanes is None:
+            self.weight[rows] = q
+        else:
+            self.weight[rows // self.lanes, :, rows % self.lanes] = q.view(self.weight.dtype)
+        self.scale[rows] = scale
 
 
 class Int4Linear(QuantizedLinear):

@@ -7,7 +7,7 @@ positions through the model at once costs little more than one. Each speculative
    ``lookup`` copies what followed the latest earlier occurrence of the last 3 (else 2, else 1)
    tokens in the prompt and output (prompt-lookup decoding; nothing when nothing matches);
    ``int8`` runs an int8 copy of the model (quant.py) for n autoregressive steps in a cache of
-   its own;
+   its own, its output layer cut to the common words and the context's (draft_vocabulary.py);
 2. the target model runs t, d1..dn at positions p..p+n as n + 1 rows of one batched decode step
    (``Engine.step``: the same compiled graph per (rows, kv bucket) machinery as a batch of
    requests; the rows all read and write the request's own cache row, each row's mask by
@@ -52,12 +52,14 @@ request it drafts for by common prefix (rolling back rejected drafts the same wa
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from . import draft_vocabulary
 from .decode_graphs import DecodeGraphs
 from .errors import InvalidRequestError
 from .inputs import whole_number
@@ -149,6 +151,8 @@ class Int8Drafter:
 
     It shares the target's tokenizer, config and its norm weights (the same tensors); its
     quantized matrices are its own (a quarter of fp32's bytes), and so is its one-row cache.
+    Its output layer holds only the rows of ``words`` common ids and of the context's tokens
+    (draft_vocabulary.py; None: the whole vocabulary).
     ``self.tokens`` are the positions its cache holds; a draft first brings them in line with
     the request's context by common prefix (which is also how rejected drafts are rolled
     back), prefilling a long gap eagerly and feeding one or two missing tokens through its
@@ -157,7 +161,7 @@ class Int8Drafter:
 
     name = "int8"
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, words: int | None = draft_vocabulary.WORDS) -> None:
         from . import loading, quant, quantized_cache
         from .engine import Engine
         from .model import GemmaForCausalLM
@@ -185,12 +189,22 @@ class Int8Drafter:
             quant.quantize_model(model, "int8", None, dtype)  # new int8 matrices, norms shared
             if kept is not None:
                 kept.write(quantized_cache.quantized_tensors(model))
+        cfg = target.config
+        self.vocab: draft_vocabulary.DraftVocabulary | None = None
+        if words is not None and words < cfg.vocab_size:
+            self.vocab = draft_vocabulary.DraftVocabulary(
+                model.output_layer(), engine.tokenizer, words, engine.max_seq_len
+            )
+            model.config = dataclasses.replace(cfg, tie_word_embeddings=False)
+            model.lm_head = self.vocab.head  # the embedding stays whole, for lookups
         if device.type == "cpu":
             # Compiled, it only ever steps one row, which reads the blocked matrix: the GEMM
             # library's packed copy would serve eager calls alone (without it the default
             # model's draft was set up in ~2.5 instead of ~4.3 s on an AVX2 Zen 3). Its prompts
             # go through prefill (hidden states, no logits): no compiled output layer either.
-            quant.to_kernel_layout(model, None if engine.compile else model.output_layer())
+            # A partial head is written in place as contexts come, which a packed copy is not.
+            packed = not engine.compile and self.vocab is None
+            quant.to_kernel_layout(model, model.output_layer() if packed else None)
         model.setup_cache(engine.max_seq_len, 1, engine.prefill_chunk)
         self.engine = Engine(
             model.eval().requires_grad_(False),
@@ -201,7 +215,6 @@ class Int8Drafter:
             prefill_chunk=engine.prefill_chunk,
         )
         self.engine.on_compile = lambda text: engine._tell(f"int8 draft: {text}")
-        cfg = target.config
         self.window = cfg.sliding_window if cfg.has_sliding_layers else None
         self.ring = model.ring
         self.tokens: list[int] = []  # what its cache row holds, positions 0..
@@ -212,6 +225,8 @@ class Int8Drafter:
         draft = self.engine
         context = request.ids + request.new_ids
         held, self.tokens = self.tokens, []  # unknown until this draft completes
+        if self.vocab is not None:
+            self.vocab.add(context)
         p = common_prefix(held, context[:-1])
         if self.window is not None and self.written - self.ring > max(0, p - self.window + 1):
             p = 0  # the ring no longer holds the window before p (see slots.py)
@@ -239,12 +254,17 @@ class Int8Drafter:
             pos += 1
             if pos < len(context):
                 continue  # a catch-up token: its logits predict a known token
+            vocab = self.vocab
+            if vocab is not None:
+                logits = logits + vocab.mask  # (1, head rows), spare rows -inf
             if params.greedy:
-                drafts.append(int(greedy(logits)))
+                row = int(greedy(logits))
+                drafts.append(row if vocab is None else vocab.token(row))
             else:
                 q = probabilities(logits, params)
-                drafts.append(int(torch.multinomial(q, 1, generator=generator)))
-                dists.append(q[0])
+                row = int(torch.multinomial(q, 1, generator=generator))
+                drafts.append(row if vocab is None else vocab.token(row))
+                dists.append(q[0] if vocab is None else vocab.spread(q[0]))
         self.tokens = context + drafts[:-1]  # every token fed, at positions 0..pos-1
         self.written = max(self.written, pos)
         return drafts, torch.stack(dists) if dists else None
@@ -298,7 +318,10 @@ def keep_matching(best: list[int], drafts: list[int]) -> list[int]:
 class Speculator:
     """Owned by the engine; the scheduler asks it to take each decode step (``decode``)."""
 
-    def __init__(self, engine: Engine, method: str, k: int) -> None:
+    def __init__(
+        self, engine: Engine, method: str, k: int, draft_words: int | None = draft_vocabulary.WORDS
+    ) -> None:
+        """``draft_words``: the int8 drafter's common words (draft_vocabulary.py; None: all)."""
         if k + 1 > engine.prefill_chunk:
             raise InvalidRequestError(
                 f"speculate_tokens ({k}) + 1 must be at most prefill_chunk "
@@ -308,7 +331,7 @@ class Speculator:
         self.engine = engine
         self.method = method
         self.k = k
-        self.drafter = LookupDrafter() if method == "lookup" else Int8Drafter(engine)
+        self.drafter = LookupDrafter() if method == "lookup" else Int8Drafter(engine, draft_words)
         if engine.compile:  # the verify graphs: k + 1 rows, one per kv bucket (and screened)
             DecodeGraphs.allow(len(engine.buckets) * (2 if engine.screens else 1))
 

@@ -156,6 +156,10 @@ class Tokenizer:
                 pass
         return piece.replace("\u2581", " ").encode()
 
+    def piece(self, token: int) -> str:
+        """The vocabulary's own text of ``token`` (U+2581 for a space, ``<0xAB>`` for a byte)."""
+        return self._impl.piece(token) if 0 <= token < self.vocab_size else ""
+
     def has_piece(self, piece: str) -> bool:
         return self._impl.piece_id(piece) is not None
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gemma_engine import Engine, cli, packed_int8
+from gemma_engine import Engine, cli, cpu, packed_int8, quant
+from gemma_engine.draft_vocabulary import DraftVocabulary, base_ids, latin
 from gemma_engine.errors import InvalidRequestError
 from gemma_engine.sampling import SamplingParams, probabilities
-from gemma_engine.speculative import NgramIndex, accept_drafts, accept_greedy
+from gemma_engine.speculative import NgramIndex, Speculator, accept_drafts, accept_greedy
+from gemma_engine.tokenizer import Tokenizer
 
 BUCKETS = [16, 32, 64]
 CHUNK = 6
@@ -45,6 +47,13 @@ def random_ids(n: int, seed: int) -> list[int]:
 
 REPEATING = random_ids(5, seed=1) * 3 + random_ids(3, seed=2)  # 18 tokens, a run seen 3 times
 NOVEL = random_ids(11, seed=3)
+
+
+def with_draft_words(engine: Engine, words: int | None) -> Engine:
+    """The engine with an int8 drafter whose output layer holds ``words`` common ids and the
+    context's tokens (draft_vocabulary.py): fewer than the tiny vocabulary's 512."""
+    engine.speculator = Speculator(engine, "int8", K, draft_words=words)
+    return engine
 
 
 def plain_and_speculative(engine: Engine, prompt: list[int], **kwargs):
@@ -151,6 +160,19 @@ def test_greedy_equals_plain_eager(kind, method, tiny_checkpoints):
     assert plain.stats["drafted_tokens"] == 0
 
 
+def test_a_partial_draft_vocabulary_keeps_greedy_exact(tiny_checkpoints):
+    """The int8 drafter over 64 common ids and the context's tokens, eager, across buckets and
+    the ring: the same tokens as plain, and every draft one of the head's tokens."""
+    engine = with_draft_words(load(tiny_checkpoints["gemma3"][0], "int8"), 64)
+    vocab = engine.speculator.drafter.vocab
+    assert vocab.rows < engine.config.vocab_size
+    for prompt in (REPEATING, NOVEL):
+        plain, spec = plain_and_speculative(engine, prompt, max_new_tokens=40)
+        assert spec.token_ids == plain.token_ids
+        assert spec.stats["drafted_tokens"] > 0 and spec.stats["accepted_tokens"] > 0
+        assert set(prompt + plain.token_ids[:-1]) <= set(vocab.held)
+
+
 def test_int8_weights_with_lookup_equal_plain(tiny_checkpoints):
     """An int8 model verifies through its own quantized kernels (eager: expanded weights)."""
     engine = load(tiny_checkpoints["gemma3"][0], "lookup", quantize="int8")
@@ -240,6 +262,16 @@ def test_compiled_greedy_equals_plain(tiny_checkpoints):
     assert set(draft.compile_seconds) == {(1, 64)}
     # Compiled, the draft steps one row at a time: no GEMM library's packed output layer.
     assert not draft.model.output_layer().packed and not draft.graphs.head_graphs
+    # Over part of the vocabulary: its graph reads the rows that a later prompt's new tokens
+    # write in place.
+    with_draft_words(int8, 64)
+    for prompt in (REPEATING, NOVEL):
+        engine.clear_cache()
+        plain, spec = plain_and_speculative(engine, prompt, max_new_tokens=40)
+        int8.clear_cache()
+        out = int8.generate(prompt, max_new_tokens=40)
+        assert out.token_ids == plain.token_ids and out.stats["accepted_tokens"] > 0
+    assert set(int8.speculator.drafter.engine.compile_seconds) == {(1, 64)}
 
 
 def test_screened_verify_equals_plain(tiny_checkpoints):
@@ -259,6 +291,47 @@ def test_an_eager_int8_draft_keeps_the_packed_output_layer(tiny_checkpoints):
     the CPU has one (packed_int8.py); the compiled draft goes without (test above)."""
     draft = load(tiny_checkpoints["gemma3"][0], "int8").speculator.drafter.engine
     assert draft.model.output_layer().packed == (packed_int8.backend() is not None)
+
+
+@pytest.mark.parametrize("layout", ["plain", "kernel"])
+def test_draft_vocabulary_rows_are_the_embeddings_rows(tokenizer_file, layout):
+    """The head's rows are the int8 embedding's rows of its tokens, in either layout, as the
+    context adds tokens and, when the spare rows run out, keeps the latest; ``spread`` puts a
+    distribution over the rows back on the vocabulary."""
+    tokenizer = Tokenizer(tokenizer_file)
+    q, scale = quant.quantize_int8(torch.randn(512, 64))
+    embedding = quant.Int8Linear(64, 512, torch.float32)
+    embedding.weight.copy_(q)
+    embedding.scale.copy_(scale)
+    vocab = DraftVocabulary(embedding, tokenizer, words=32, max_context=40)
+    if layout == "kernel":
+        for m in (embedding, vocab.head):
+            m.to_kernel_layout(cpu.vector_lanes())
+    base = base_ids(tokenizer, 512, 32)
+    assert base[:32] == list(range(32)) and all(latin(tokenizer.piece(t)) for t in base[32:])
+    assert vocab.rows % 64 == 0 and vocab.rows >= len(base) + 40
+
+    def check(tokens: set[int]) -> None:
+        assert set(vocab.held) == tokens
+        held = torch.tensor(sorted(vocab.held.values()))
+        ids = vocab.ids[held]
+        expanded = vocab.head.dequantize(torch.float32)[held]
+        assert torch.equal(expanded, quant.dequantize_int8(q[ids], scale[ids], torch.float32))
+        assert (vocab.mask == 0).sum() == len(tokens) and (vocab.mask[held] == 0).all()
+
+    check(set(base))
+    context = list(range(100, 130)) + list(range(110, 120))  # 30 new tokens, some repeated
+    vocab.add(context)
+    check(set(base) | set(context))
+    spare = vocab.rows - len(base)
+    long_context = list(range(200, 200 + spare + 5))  # more new tokens than spare rows
+    vocab.add(long_context)
+    check(set(base) | set(long_context[-spare:]))
+    p = torch.softmax(torch.randn(vocab.rows) + vocab.mask, dim=0)
+    spread = vocab.spread(p)
+    assert spread.shape == (512,) and torch.allclose(spread.sum(), torch.tensor(1.0))
+    assert torch.equal(spread[vocab.ids[vocab.mask == 0]], p[vocab.mask == 0])
+    assert spread[list(set(range(512)) - set(vocab.held))].sum() == 0
 
 
 # -- sampling: the target's distribution ------------------------------------------------------
@@ -299,13 +372,16 @@ def test_accept_reject_keeps_the_target_distribution(drafted):
     assert first[5] == 0  # never a token the target rules out
 
 
-def test_sampled_speculation_matches_the_target_end_to_end(tiny_checkpoints):
+@pytest.mark.parametrize("words", [None, 64])
+def test_sampled_speculation_matches_the_target_end_to_end(tiny_checkpoints, words):
     """The second new token (the first one a speculative step yields) over 240 seeds, top-k 3
     at temperature 2: its frequencies against the target's exact distribution,
     p(t2) = sum over t1 of p(t1) p(t2 | t1), computed by scoring. A wiring check (the right
     rows, the right distribution) with a loose bound; the statistics are tested above. The
-    int8 drafter, which always drafts (lookup drafts only when t1 was seen before)."""
-    engine = load(tiny_checkpoints["gemma3"][0], "int8")
+    int8 drafter, which always drafts (lookup drafts only when t1 was seen before), over the
+    whole vocabulary and over 64 common ids and the context's tokens (a draft distribution
+    that is zero elsewhere)."""
+    engine = with_draft_words(load(tiny_checkpoints["gemma3"][0], "int8"), words)
     params = SamplingParams(temperature=2.0, top_k=3)
     kwargs = dict(max_new_tokens=3, temperature=2.0, top_k=3)
     prompt = REPEATING
@@ -321,6 +397,12 @@ def test_sampled_speculation_matches_the_target_end_to_end(tiny_checkpoints):
         drafted += out.stats["drafted_tokens"]
     assert drafted == 240  # each second token came from a verify step of one draft
     assert total_variation(counts, target) < 0.12  # the sampling error is about 0.06 here
+    if words is not None:
+        # Most of the target's mass lies outside the head's first rows (its common ids and the
+        # prompt's tokens; 0.96 here): tokens the drafter proposes only once a context has
+        # held them.
+        held = set(base_ids(engine.tokenizer, len(target), words)) | set(prompt)
+        assert target[sorted(set(range(len(target))) - held)].sum() > 0.5
 
 
 # -- the real model ---------------------------------------------------------------------------
@@ -332,5 +414,18 @@ def test_real_model_lookup_greedy_equals_plain():
     text = "The quick brown fox jumps over the lazy dog. " * 3
     prompt = engine.tokenizer.encode(f"Repeat this text: {text}\nRepeated: ")
     plain, spec = plain_and_speculative(engine, prompt, max_new_tokens=32)
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats["accepted_tokens"] > 0
+
+
+def test_real_model_int8_draft_greedy_equals_plain():
+    """The default model, fp32, eager, with the int8 drafter over its common words and the
+    context's tokens (a head of ~10k of 262,144 rows): novel text, 24 tokens."""
+    engine = Engine.from_pretrained(
+        None, compile=False, max_seq_len=256, buckets=[256], speculate="int8"
+    )
+    assert engine.speculator.drafter.vocab.rows < engine.config.vocab_size // 16
+    prompt = engine.tokenizer.encode("The history of the steam engine begins with")
+    plain, spec = plain_and_speculative(engine, prompt, max_new_tokens=24)
     assert spec.token_ids == plain.token_ids
     assert spec.stats["accepted_tokens"] > 0
