@@ -2,17 +2,17 @@
 
 quant.py quantizes and saves matrices in a plain layout: int8 rows (N, K), and for int4 two
 nibbles per byte, (N, K/2). The *kernel* layout, made once at load, packs the quantized values
-into int32 words and blocks the rows by the vector width
-``L`` of the CPU's capability (8 for AVX2, 16 for AVX-512): a weight matrix becomes words
-(N/L, K/4, L) for int8 (word c of row n holds columns 4c..4c+3) or (N/L, K/8, L) for int4
-(eight nibbles). Why: inductor vectorizes a reduction over int8 bytes with as many lanes as a
-float vector has, so each step loads 8 bytes into a 32-byte AVX2 register, which ATen's
-``Vectorized<int8_t>::loadu`` does through a temporary buffer and a store-forwarding stall
-(AVX-512 has masked loads instead): 4-15x slower than fp32 on AVX2 (BENCHMARKS.md). A full
-int32 load, bytes taken apart with native 32-bit shifts, and one activation broadcast against
-L output rows, vectorizes on both kinds, with no horizontal sums per row. Under AVX-512 the
-int8 blocks keep plain bytes, (N/L, K, L): 16 bytes are one masked load there, widened by one
-instruction, fewer than the shifts that take a word apart (``int8_words``).
+into int32 words and blocks the rows by the vector width ``L`` of the CPU's capability (8 for
+AVX2, 16 for AVX-512): a weight matrix becomes words (N/L, K/4, L) for int8 (word c of row n
+holds columns 4c..4c+3) or (N/L, K/8, L) for int4 (eight nibbles). Why: inductor vectorizes a
+reduction over int8 bytes with as many lanes as a float vector has, so each step loads 8 bytes
+into a 32-byte AVX2 register, which ATen's ``Vectorized<int8_t>::loadu`` does through a
+temporary buffer and a store-forwarding stall (AVX-512 has masked loads instead): 4-15x slower
+than fp32 on AVX2 (BENCHMARKS.md). A full int32 load, bytes taken apart with native 32-bit
+shifts, and one activation broadcast against L output rows, vectorizes on both kinds, with no
+horizontal sums per row. Under AVX-512 the int8 blocks keep plain bytes, (N/L, K, L): 16 bytes
+are one masked load there, widened by one instruction, fewer than the shifts that take a word
+apart (``int8_words``).
 
 A decode step on a CPU runs these products inside its compiled graph, one token (``matvec_*``)
 or a few rows of a batch or a verify step (``matvec_int8_rows``); a prompt of many tokens

@@ -243,6 +243,7 @@ class Int8Drafter:
         params, generator = request.params, request.generator
         drafts: list[int] = []
         dists: list[Tensor] = []
+        vocab = self.vocab
         pos = p
         while len(drafts) < k:
             token = feed[pos - p] if pos - p < len(feed) else drafts[-1]
@@ -254,7 +255,6 @@ class Int8Drafter:
             pos += 1
             if pos < len(context):
                 continue  # a catch-up token: its logits predict a known token
-            vocab = self.vocab
             if vocab is not None:
                 logits = logits + vocab.mask  # (1, head rows), spare rows -inf
             if params.greedy:
