@@ -197,8 +197,10 @@ def _precompile(engine, buckets: list[int] | None, greedy: bool) -> int:
     start = time.perf_counter()
     built = engine.precompile(buckets, greedy=greedy)
     where = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "TorchInductor's cache")
+    spec = engine.speculator
+    also = "" if spec is None else f" (with --speculate {spec.method}'s for {spec.k} drafts)"
     print(
-        f"gemma-run: decode graphs ready for 1 sequence and kv buckets "
+        f"gemma-run: decode graphs{also} ready for 1 sequence and kv buckets "
         f"{', '.join(map(str, built))} in {time.perf_counter() - start:.1f} s; "
         f"kept in {where} for later runs",
         file=sys.stderr,

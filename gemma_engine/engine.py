@@ -290,7 +290,8 @@ class Engine:
         two buckets), and the quantized output layer for prompts where it is compiled, so
         that requests find them ready, in this process or, through the compile cache, in the
         next. ``greedy``: the graphs greedy requests run (the screened ones where the model has
-        an int8 screen, greedy_screen.py), else those of sampled ones. Call it before any
+        an int8 screen, greedy_screen.py), else those of sampled ones; with speculation, also
+        its verify and draft graphs (Speculator.precompile). Call it before any
         request: it writes one position of the first ``batch`` cache rows (their prompts are
         forgotten). The kv buckets built."""
         if self.graphs is None:
@@ -313,6 +314,8 @@ class Engine:
             step(tokens, torch.full((batch,), kv - 1, device=self.device), kv)
         if self.graphs.compiles_head:  # a one-token prompt gives it its input
             self.head(self.prefill([0], 0, 0, all_positions=False))
+        if self.speculator is not None:  # and the graphs a speculative step runs
+            self.speculator.precompile(kv_lens, greedy)
         return kv_lens
 
     def agree(self, tokens: Tensor) -> Tensor:

@@ -406,6 +406,28 @@ class Speculator:
                 break
         return True
 
+    def precompile(self, kv_lens: list[int], greedy: bool) -> None:
+        """Build the graphs ``decode`` runs at these kv buckets: the verify step of k + 1 rows
+        (the screened one for greedy requests where the model screens, else the plain one) and
+        the int8 drafter's one-row step. Like Engine.precompile, it writes positions of cache
+        row 0 (of the target and of the drafter) that a later request overwrites before it
+        reads them."""
+        engine = self.engine
+        device = engine.device
+        verify = engine.greedy_step if greedy else engine.step
+        rows = torch.zeros(self.k + 1, dtype=torch.long, device=device)
+        tokens = torch.zeros(self.k + 1, 1, dtype=torch.long, device=device)
+        for kv in kv_lens:
+            # The k + 1 positions of a step that ends at the bucket's last one.
+            positions = [max(0, kv - 1 - self.k + i) for i in range(self.k + 1)]
+            verify(tokens, torch.tensor(positions, device=device), kv, rows)
+            if isinstance(self.drafter, Int8Drafter):
+                draft = self.drafter.engine
+                one = torch.zeros(1, 1, dtype=torch.long, device=device)
+                draft.step(one, torch.tensor([kv - 1], device=device), kv)
+        if isinstance(self.drafter, Int8Drafter):
+            self.drafter.tokens, self.drafter.written = [], 0  # its cache holds no context
+
     def _graphs(self) -> int:
         count = len(self.engine.compile_seconds)
         if isinstance(self.drafter, Int8Drafter):

@@ -141,6 +141,21 @@ def test_a_quantized_prompt_head_is_saved_whole(model, tmp_path):
     assert (head in several.stderr) == (packed_int8.backend() is None)
 
 
+def test_precompile_with_speculation_builds_its_graphs_too(model, eager_text, tmp_path):
+    """With --speculate, --precompile also builds the verify step of k + 1 rows and the int8
+    drafter's one-row step (lookup's verify step is the same call), so that a speculative run
+    after it compiles nothing, and still prints the eager engine's greedy text."""
+    cache = tmp_path / "cache"
+    spec = ["--speculate", "int8", "--speculate-tokens", "3"]
+    first = gemma_run(model, cache, "--precompile", *spec)
+    assert source_of_graph(first.stderr, "graph for 4 rows and kv bucket 16 is ready") == "compiled"
+    assert source_of_graph(first.stderr, f"int8 draft: {READY}") == "compiled"
+    assert "decode graphs (with --speculate int8's for 3 drafts) ready" in first.stderr
+    run = gemma_run(model, cache, "--prompt", PROMPT, *spec)
+    assert "compiling" not in run.stderr, run.stderr
+    assert run.stdout == eager_text.stdout and not warnings(run.stderr)
+
+
 FRESH_LOAD = """
 import json, os, sys
 from gemma_engine.engine import Engine
