@@ -50,6 +50,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: fp32 CPU, bf16 CUDA)")
     p.add_argument("--max-seq-len", type=int, help="KV cache length in tokens")
     p.add_argument(
+        "--kv-cache-dtype",
+        help="float32, bfloat16 or float16: the KV cache's dtype (default: the model's)",
+    )
+    p.add_argument(
         "--max-batch",
         type=int,
         default=1,
@@ -145,6 +149,7 @@ def _main(argv: list[str] | None) -> int:
             speculate=args.speculate,
             speculate_tokens=args.speculate_tokens,
             greedy_screen=False if args.no_greedy_screen else None,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
         at_line_start = True
 

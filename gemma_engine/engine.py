@@ -99,6 +99,7 @@ class Engine:
         speculate: str | None = None,
         speculate_tokens: int | None = None,
         greedy_screen: bool | None = None,
+        kv_cache_dtype: str | torch.dtype | None = None,
     ) -> Engine:
         """Load ``model`` (a folder, a .gguf file, a hub id, or None for the default model).
 
@@ -114,11 +115,16 @@ class Engine:
         ``greedy_screen`` (default: on for CPU engines with compiled decode and a large float32
         output layer, such as the default model's) finds greedy tokens through an int8 copy of
         the output layer, with the same output (see greedy_screen.py); False turns it off.
+        ``kv_cache_dtype`` ("float32", "bfloat16" or "float16"; default: the model's dtype)
+        stores keys and values in that dtype, computing in the model's: "float16" halves an
+        fp32 model's cache and the bytes attention reads per step, rounding each key and value
+        to 11 significant bits (llama.cpp's default cache type).
         """
         method, draft_tokens = check_speculate(speculate, speculate_tokens)
         device = check_device(device)
         dtype = parse_dtype(dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32))
         check_dtype(dtype, device)
+        kv_dtype = check_dtype(parse_dtype(kv_cache_dtype or dtype, "kv_cache_dtype"), device)
         # Inside torchrun (or a process group already set up), shard over its ranks.
         ranks, device = parallel.setup(device)
         if ranks is not None and method != "none":
@@ -139,6 +145,7 @@ class Engine:
             ranks=ranks,
             compiled=compile is not False,
             greedy_screen=greedy_screen,
+            kv_dtype=kv_dtype,
         )
         engine = cls(
             loaded.model,
@@ -197,6 +204,11 @@ class Engine:
     def bucket_for(self, length: int) -> int:
         """The smallest bucket holding ``length`` positions."""
         return self.buckets[bisect.bisect_left(self.buckets, length)]
+
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """The dtype keys and values are stored in (``from_pretrained``'s ``kv_cache_dtype``)."""
+        return next(b.dtype for n, b in self.model.named_buffers() if n.endswith("cache.k"))
 
     @property
     def kv_cache_bytes(self) -> int:

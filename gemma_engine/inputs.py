@@ -98,16 +98,17 @@ def check_device(device: str | torch.device | None) -> torch.device:
     return parsed
 
 
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """A model dtype from a name (float32, bf16, ...) or one of those torch dtypes."""
+def parse_dtype(dtype: str | torch.dtype, what: str = "dtype") -> torch.dtype:
+    """A model (or KV cache, ``what``) dtype from a name (float32, bf16, ...) or one of those
+    torch dtypes."""
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
             raise InvalidRequestError(
-                f"dtype {dtype} is not supported; use float32, bfloat16 or float16"
+                f"{what} {dtype} is not supported; use float32, bfloat16 or float16"
             )
         return dtype
     if not isinstance(dtype, str) or dtype not in DTYPES:
-        raise InvalidRequestError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        raise InvalidRequestError(f"{what} {dtype!r} is not one of {', '.join(DTYPES)}")
     return DTYPES[dtype]
 
 

@@ -350,6 +350,7 @@ def load(
     ranks: parallel.Ranks | None = None,
     compiled: bool = True,
     greedy_screen: bool | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> Loaded:
     """Resolve, read, configure, check, quantize and build: the steps of
     ``Engine.from_pretrained``, every check done before the weights are placed.
@@ -357,7 +358,8 @@ def load(
     Under tensor parallelism (``ranks``) each rank reads and builds its part of the model, and
     an error on one rank ends every rank's load with that rank's message (parallel.py).
     ``greedy_screen``: whether greedy steps read an int8 copy of a float output layer
-    (greedy_screen.py); None, where it is measured to pay off.
+    (greedy_screen.py); None, where it is measured to pay off. ``kv_dtype``: the KV cache's
+    dtype (default ``dtype``).
     """
     with ranks.together() if ranks is not None else contextlib.nullcontext():
         path = resolve(model)
@@ -382,7 +384,8 @@ def load(
         chunk = _check_whole(
             "prefill_chunk", PREFILL_CHUNK if prefill_chunk is None else prefill_chunk
         )
-        max_batch = _fit_max_batch(max_batch, config, max_seq_len, chunk, dtype, device)
+        kv_dtype = kv_dtype or dtype
+        max_batch = _fit_max_batch(max_batch, config, max_seq_len, chunk, kv_dtype, device)
         tokenizer = Tokenizer(ckpt.tokenizer_model)
         tokenizer.check_fits(config.vocab_size)
         quantized = (saved["method"], saved.get("group_size")) if saved else None
@@ -430,7 +433,7 @@ def load(
         greedy_screen = quantized is None and screening.wanted(net, device, compiled)
     if greedy_screen:
         screening.attach(net, path)
-    net.setup_cache(max_seq_len, max_batch, chunk)
+    net.setup_cache(max_seq_len, max_batch, chunk, kv_dtype)
     eos = set(config.eos_token_ids)
     gen_eos = ckpt.generation_config.get("eos_token_id")
     eos.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])

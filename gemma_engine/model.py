@@ -71,6 +71,16 @@ def reads_first(length: int, kv_len: int, window: int | None, ring: int) -> bool
     return window is not None and length > ring - window and kv_len > ring
 
 
+def stored(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """Keys or values in the cache's dtype; in float16's finite range, so that an outlier is
+    kept as its largest value rather than as inf (whose scores would be nan)."""
+    if t.dtype == dtype:
+        return t
+    if dtype == torch.float16:
+        t = t.clamp(-65504.0, 65504.0)
+    return t.to(dtype)
+
+
 class KVCache(nn.Module):
     """One layer's keys and values for ``batch`` sequences (cache rows), written in place.
 
@@ -84,6 +94,8 @@ class KVCache(nn.Module):
     (512) beyond the window, and every decode step at 1k positions or more read all of it:
     1024 entries where 544 now hold the window. Prefix reuse may roll a sequence back as far as
     the slack allows (see slots.py). Every write goes to the batch row's own cache row ``rows``.
+    The entries may be kept in a narrower dtype than the model computes in (``stored``): then
+    attention reads them widened, inside its fused reductions or as a widened copy.
     """
 
     def __init__(
@@ -111,6 +123,7 @@ class KVCache(nn.Module):
         # One advanced index triple (row, head, position) per new key, on the buffer itself: the
         # same write through a transposed view makes the compiled step copy the whole buffer.
         heads = torch.arange(k.shape[1], device=k.device)[None, :, None]  # (1, KV, 1)
+        k, v = stored(k, self.k.dtype), stored(v, self.v.dtype)  # as every read will see them
         if reads_first(k.shape[2], kv_len, self.window, self.slots):
             ring_k, ring_v = self.k.index_select(0, rows), self.v.index_select(0, rows)
             keep = min(k.shape[2], self.slots)  # the chunk's last positions, one per entry
@@ -228,6 +241,7 @@ class Attention(nn.Module):
         if T > 1 and self.config.attn_logit_softcapping is None:
             # A prompt: PyTorch's fused attention (flash on CPU), which never materialises the
             # (T, S) probabilities; Gemma 2's soft-capping needs the explicit form below.
+            keys, values = keys.to(q.dtype), values.to(q.dtype)  # a narrower cache (kv_dtype)
             out = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=True
             )  # (B, H, T, D)
@@ -243,6 +257,7 @@ class Attention(nn.Module):
             out = one_query_attention(q, keys, values, mask, self.scaling, cap)
             return self.o_proj(out.reshape(B, T, self.n_heads * self.head_dim))
         # Elsewhere (CUDA, bf16, eager, several positions), library products.
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
         out = library_attention(
             q, keys, values, mask, self.scaling, self.config.attn_logit_softcapping
         )
@@ -423,11 +438,17 @@ class GemmaForCausalLM(nn.Module):
         # An int8 copy of a float output layer for greedy steps (greedy_screen.py), or None.
         self.greedy_screen = None
 
-    def setup_cache(self, max_seq_len: int, batch: int = 1, chunk: int | None = None) -> None:
+    def setup_cache(
+        self,
+        max_seq_len: int,
+        batch: int = 1,
+        chunk: int | None = None,
+        kv_dtype: torch.dtype | None = None,
+    ) -> None:
         """Allocate the KV cache of ``batch`` sequences and the rope tables once, on the
-        weights' device and dtype; sliding rings hold the window and ``RING_SLACK`` positions
-        (fewer if ``chunk``, the longest prompt chunk, is shorter), or the whole sequence if
-        that is shorter.
+        weights' device and dtype (the cache in ``kv_dtype`` if given); sliding rings hold the
+        window and ``RING_SLACK`` positions (fewer if ``chunk``, the longest prompt chunk, is
+        shorter), or the whole sequence if that is shorter.
 
         KV-shared layers (Gemma 3n/4) own no cache: they read their source layer's.
         """
@@ -442,7 +463,8 @@ class GemmaForCausalLM(nn.Module):
                     continue
                 window = cfg.sliding_window if layer.layer_type is AttentionType.SLIDING else None
                 slots = self.ring if window else max_seq_len
-                attn.cache = KVCache(batch, attn.n_kv, slots, attn.head_dim, window, weight.dtype)
+                dtype = kv_dtype or weight.dtype
+                attn.cache = KVCache(batch, attn.n_kv, slots, attn.head_dim, window, dtype)
             for name, kind, rope in (
                 ("global", AttentionType.GLOBAL, cfg.rope_global),
                 ("local", AttentionType.SLIDING, cfg.rope_local),

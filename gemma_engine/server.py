@@ -310,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-batch", type=int, default=None)
     p.add_argument("--max-seq-len", type=int, default=None)
+    p.add_argument(
+        "--kv-cache-dtype", default=None, help="float32, bfloat16 or float16 (default: the model's)"
+    )
     p.add_argument("--quantize", choices=["none", "int8", "int4"], default=None)
     p.add_argument("--no-compile", action="store_true", help="run eagerly (no compile wait)")
     p.add_argument("--api-key", default=None)
@@ -341,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
             max_seq_len=args.max_seq_len,
             quantize=args.quantize,
             compile=not args.no_compile,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
 
     name = args.served_model_name or (str(args.model) if args.model else "gemma-3-270m")

@@ -205,7 +205,7 @@ class Int8Drafter:
             # A partial head is written in place as contexts come, which a packed copy is not.
             packed = not engine.compile and self.vocab is None
             quant.to_kernel_layout(model, model.output_layer() if packed else None)
-        model.setup_cache(engine.max_seq_len, 1, engine.prefill_chunk)
+        model.setup_cache(engine.max_seq_len, 1, engine.prefill_chunk, engine.kv_cache_dtype)
         self.engine = Engine(
             model.eval().requires_grad_(False),
             engine.tokenizer,

@@ -28,6 +28,7 @@ TABLE = [
     ("device_missing_gpu", ["--prompt", "hi", "--device", MISSING_CUDA], b"", MISSING_CUDA),
     ("dtype_int8", ["--prompt", "hi", "--dtype", "int8"], b"", "dtype"),
     ("dtype_float64", ["--prompt", "hi", "--dtype", "float64"], b"", "dtype"),
+    ("kv_cache_dtype_int8", ["--prompt", "hi", "--kv-cache-dtype", "int8"], b"", "kv_cache_dtype"),
     ("prompt_file_folder", ["--prompt-file", "<dir>"], b"", "folder"),
     ("prompt_file_missing", ["--prompt-file", "<dir>/nope.txt"], b"", "cannot read"),
     ("prompt_file_binary", ["--prompt-file", "<binary>"], b"", "not UTF-8"),
