@@ -12,6 +12,7 @@ Contestants (each in its own subprocess, one after another, batch 1):
                     the whole static buffer (the ablation of bucketing)
   engine-eager      gemma-engine, compile=False
   engine-int8       gemma-engine, compiled, bucketed, int8 weights (per-channel scales)
+  engine-int8-kv16  the same with the KV cache in float16 (kv_cache_dtype)
   engine-int4       gemma-engine, compiled, bucketed, int4 layers (groups of 32), int8 output layer
   hf-eager          transformers generate() defaults: eager PyTorch, DynamicCache
   hf-static         transformers with a StaticCache and model.forward compiled with
@@ -70,6 +71,7 @@ CONTESTANTS = [
     "engine-full",
     "engine-eager",
     "engine-int8",
+    "engine-int8-kv16",
     "engine-int4",
     "hf-eager",
     "hf-static",
@@ -82,6 +84,7 @@ LABELS = {
     "engine-full": "gemma-engine, compiled, full static buffer",
     "engine-eager": "gemma-engine, eager",
     "engine-int8": "gemma-engine, compiled, bucketed, int8 weights",
+    "engine-int8-kv16": "gemma-engine, compiled, bucketed, int8 weights, float16 KV cache",
     "engine-int4": "gemma-engine, compiled, bucketed, int4 weights",
     "hf-eager": "transformers generate (eager, DynamicCache)",
     "hf-static": "transformers StaticCache + compiled forward",
@@ -167,8 +170,10 @@ class EngineContestant(TorchContestant):
             kw["dtype"] = self.spec["dtype"]
         if self.variant == "full":
             kw["buckets"] = [self.spec["max_ctx"]]
-        if self.variant in ("int8", "int4"):
-            kw["quantize"] = self.variant
+        if self.variant in ("int8", "int4", "int8-kv16"):
+            kw["quantize"] = self.variant.split("-")[0]
+        if self.variant.endswith("-kv16"):
+            kw["kv_cache_dtype"] = "float16"
         if self.variant == "unscreened":
             kw["greedy_screen"] = False
         self.engine = Engine.from_pretrained(self.spec["model"], **kw)
@@ -209,7 +214,7 @@ class EngineContestant(TorchContestant):
 
     def read_bytes(self, ctx: int) -> int:
         return self.weight_bytes + _attended_bytes(
-            self.cfg, self.engine.bucket_for(ctx), ctx, self.elem
+            self.cfg, self.engine.bucket_for(ctx), ctx, self.engine.kv_cache_dtype.itemsize
         )
 
     def kv_bytes(self) -> int:
@@ -501,7 +506,7 @@ def make_contestant(name: str, spec: dict):
         return EngineContestant(spec, "full")
     if name == "engine-eager":
         return EngineContestant(spec, "eager")
-    if name in ("engine-int8", "engine-int4"):
+    if name in ("engine-int8", "engine-int4", "engine-int8-kv16"):
         return EngineContestant(spec, name.removeprefix("engine-"))
     if name == "hf-eager":
         return HFContestant(spec, static=False)
