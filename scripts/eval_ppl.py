@@ -2,12 +2,15 @@
 
     .venv/bin/python scripts/eval_ppl.py                      # 8 windows of 512 tokens
     .venv/bin/python scripts/eval_ppl.py --tokens 16384 --methods none,int8,int4
+    .venv/bin/python scripts/eval_ppl.py --methods none,none+float16,int8,int8+float16
 
 The text is cut into windows of --window tokens; each is scored by ``Engine.score`` in one
 forward pass, starting from BOS, and every token after the first is predicted from the tokens
 before it in its window. The same windows are used for every method, so the perplexities are
 comparable. The default text is ../shared/data/tinyshakespeare.txt when present, else the
-excerpt of it shipped in scripts/data/ (both public domain).
+excerpt of it shipped in scripts/data/ (both public domain). A method ``W+D`` keeps the KV
+cache in dtype D (``kv_cache_dtype``): every key and value the windows attend to is rounded to
+it, so the perplexity shows what a narrower cache costs.
 """
 
 from __future__ import annotations
@@ -68,16 +71,20 @@ def main() -> None:
     chunks = None
     for method in methods:
         start = time.perf_counter()
+        weights, _, kv = method.partition("+")
         engine = Engine.from_pretrained(
             args.model,
-            quantize=method,
-            group_size=args.group_size if method == "int4" else None,
+            quantize=weights,
+            group_size=args.group_size if weights == "int4" else None,
             compile=False,  # score() runs the prompt path, which is eager
             max_seq_len=args.window,
+            kv_cache_dtype=kv or None,
         )
         chunks = chunks or windows(engine, text, args.window, args.tokens)
         ppl, count = perplexity(engine, chunks)
-        label = method if method != "int4" else f"int4 (groups of {engine.quantization[1]})"
+        label = weights if weights != "int4" else f"int4 (groups of {engine.quantization[1]})"
+        label = "fp32" if label == "none" else label
+        label += f", {kv} KV cache" if kv else ""
         results[method] = (label, ppl)
         print(
             f"{label}: perplexity {ppl:.4f} over {count} tokens "
@@ -93,10 +100,10 @@ def main() -> None:
     print("|---|---|---|---|")
     for method, (label, ppl) in results.items():
         if method == "none" or base is None:
-            print(f"| {'fp32' if method == 'none' else label} | {ppl:.4f} | | |")
+            print(f"| {label} | {ppl:.4f} | | |")
             continue
         delta = ppl / base - 1
-        limit = LIMITS.get(method)
+        limit = LIMITS.get(method)  # (the targets name float caches)
         verdict = (
             "" if limit is None else f"<= {limit:.0%}: {'met' if delta <= limit else 'MISSED'}"
         )
